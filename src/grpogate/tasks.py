@@ -1,0 +1,267 @@
+"""Problems for a run: GSM8K JSONL / Hugging Face datasets / reasoning-gym; prompt ids; isolation.
+
+Every problem carries a stable prompt id (a hash of its normalized question) so that the train and
+eval sets can be proven disjoint, and every loader returns an identity dict (file hash, seed,
+library version) that goes into the run's evidence. Bad input raises `InputError` naming the
+file, the 1-based line and the field. Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import random
+import re
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpogate.errors import InputError
+
+# The official GSM8K answer ends in "#### N"; N may carry thousands separators or a sign.
+_FINAL_ANSWER = re.compile(r"####\s*[-+]?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+# A hub id is `owner/name` (or the bare legacy id `gsm8k`); a missing local path is not one.
+_HUB_ID = re.compile(r"^(?:gsm8k|[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)$")
+# reasoning-gym: how many times the loader doubles the number of generated items before it
+# concludes that the task's question space is too small for the size asked.
+_MAX_GROWTH_ATTEMPTS = 6
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt_id: str  # sha256 of the normalized question, first 16 hex chars
+    question: str
+    reference: str  # the reference answer as the verifier expects it
+    source: str  # where it came from, e.g. "gsm8k:/abs/train.jsonl:17"
+
+
+def prompt_id(question: str) -> str:
+    """Stable id of a question: insensitive to Unicode form, case and whitespace layout."""
+    normalized = " ".join(unicodedata.normalize("NFKC", question).split()).casefold()
+    return hashlib.sha256(normalized.encode("utf-8")).hexdigest()[:16]
+
+
+def _problem(question: str, reference: str, source: str) -> Problem:
+    return Problem(prompt_id(question), question, reference, source)
+
+
+# ---------------------------------------------------------------- GSM8K
+
+
+def _gsm8k_row(record: object, where: str) -> tuple[str, str]:
+    """Validate one GSM8K record; `where` is "file:line" for messages."""
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for field in ("question", "answer"):
+        value = record.get(field)
+        if value is None:
+            raise InputError(f'{where}: field "{field}": missing')
+        if not isinstance(value, str):
+            raise InputError(f'{where}: field "{field}": expected a string, got {type(value).__name__}')
+        if not value.strip():
+            raise InputError(f'{where}: field "{field}": empty')
+    answer = record["answer"]
+    if "####" not in answer:
+        raise InputError(f'{where}: field "answer": no "####" final-answer marker')
+    if not _FINAL_ANSWER.search(answer):
+        raise InputError(f'{where}: field "answer": "####" is not followed by a number')
+    return record["question"], answer
+
+
+def _read_jsonl(path: Path, shown: str) -> list[tuple[int, str, str]]:
+    """All rows of a GSM8K JSONL file as (line number, question, answer), every line validated.
+
+    The whole file is checked, not only the selected rows, so that a corrupt file fails at
+    admission rather than in a later run that happens to sample the bad line.
+    """
+    rows = []
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        where = f"{shown}:{number}"
+        try:
+            # utf-8-sig on the first line tolerates a byte-order mark written by some editors.
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8", errors="strict")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{where}: not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from exc
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{where}: malformed JSON: {exc}") from exc
+        rows.append((number, *_gsm8k_row(record, where)))
+    return rows
+
+
+def _read_hub(hub_id: str, split: str) -> list[tuple[int, str, str]]:
+    try:
+        import datasets  # optional: only users who name a hub id need it
+    except ImportError as exc:
+        raise InputError(
+            f"gsm8k source {hub_id!r} is a Hugging Face dataset id, which needs the datasets "
+            "package: pip install 'grpogate[hf]' (or pass a local JSONL file or directory)"
+        ) from exc
+    try:
+        table = datasets.load_dataset(hub_id, "main", split=split)
+    except Exception as exc:  # hub, network and config errors come in many types
+        raise InputError(f"gsm8k source {hub_id!r} split {split!r}: cannot load: {exc}") from exc
+    return [(i, *_gsm8k_row(record, f"{hub_id}:{split}:{i}")) for i, record in enumerate(table, start=1)]
+
+
+def load_gsm8k(source: str | os.PathLike, split: str, size: int, seed: int | None) -> tuple[list[Problem], dict]:
+    """Load `size` GSM8K problems from a directory, one JSONL file, or a Hugging Face dataset id.
+
+    seed None takes the first `size` rows in file order; otherwise a seeded sample of row
+    indexes, kept in file order so the set reads the same however it was drawn.
+    """
+    if size <= 0:
+        raise InputError(f"gsm8k: size must be a positive number of problems, got {size}")
+    shown = os.fspath(source)
+    path = Path(shown)
+    if path.is_dir():
+        path = path / f"{split}.jsonl"
+        shown = os.path.join(shown, f"{split}.jsonl")
+        if not path.is_file():
+            raise InputError(f"{shown}: no such file or directory (split {split!r} of gsm8k source {os.fspath(source)!r})")
+    if path.exists():
+        if not path.is_file():
+            raise InputError(f"{shown}: not a regular file")
+        file_id, file_sha256 = str(path.resolve()), hashlib.sha256(path.read_bytes()).hexdigest()
+        origin = file_id
+        rows = _read_jsonl(path, shown)
+    elif _HUB_ID.match(shown) and not shown.endswith((".jsonl", ".json")):
+        file_id, file_sha256 = shown, None  # a hub revision is not pinned by a file hash here
+        origin = f"{shown}:{split}"  # one hub id holds every split; a file path names its own
+        rows = _read_hub(shown, split)
+    else:
+        raise InputError(f"{shown}: no such file or directory (gsm8k source)")
+
+    if not rows:
+        raise InputError(f"{shown}: no problems (the file is empty)")
+    if len(rows) < size:
+        raise InputError(f"{shown}: has only {len(rows)} problems; asked for {size}")
+    if seed is None:
+        chosen = rows[:size]
+    else:
+        chosen = [rows[i] for i in sorted(random.Random(seed).sample(range(len(rows)), size))]
+    problems = [_problem(q, a, f"gsm8k:{origin}:{line}") for line, q, a in chosen]
+    check_problem_set(problems, f"gsm8k {split}")
+    identity = {
+        "kind": "gsm8k",
+        "file": file_id,
+        "sha256": file_sha256,
+        "split": split,
+        "rows_in_file": len(rows),
+        "selected": size,
+        "seed": seed,
+    }
+    return problems, identity
+
+
+# ---------------------------------------------------------------- reasoning-gym
+
+
+def _generate(name: str, params: dict, n: int, seed: int) -> list[tuple[str, str]]:
+    import reasoning_gym  # imported lazily: ~0.7 s, and GSM8K-only runs never need it
+
+    try:
+        dataset = reasoning_gym.create_dataset(name, size=n, seed=seed, **params)
+        items = [(item["question"], item["answer"]) for item in dataset]
+    # reasoning-gym reports an unknown name as ValueError, an unknown param as TypeError and a
+    # violated param constraint as AssertionError.
+    except (ValueError, TypeError, AssertionError, KeyError) as exc:
+        raise InputError(f"reasoning-gym task {name!r} with params {params!r}: {exc}") from exc
+    for index, (question, answer) in enumerate(items):
+        if not isinstance(question, str) or not isinstance(answer, str):
+            raise InputError(
+                f"reasoning-gym task {name!r}: item {index} has no string question/answer "
+                "(this task cannot be scored by a reference answer)"
+            )
+    return items
+
+
+def load_reasoning_gym(
+    name: str, params: dict, size: int, seed: int, exclude_ids: frozenset[str] = frozenset()
+) -> tuple[list[Problem], dict]:
+    """`size` distinct reasoning-gym problems, in generation order, none of them in `exclude_ids`.
+
+    Generators repeat questions, and a train set must not overlap the eval set, so we draw more
+    items than asked (2x, 4x, ...) and skip repeats and excluded ids. Generate the eval set
+    first and pass its ids here when loading the train set.
+    """
+    if size <= 0:
+        raise InputError(f"reasoning-gym task {name!r}: size must be a positive number of problems, got {size}")
+    if not isinstance(params, dict):
+        raise InputError(f"reasoning-gym task {name!r}: params must be a table of keyword arguments, got {params!r}")
+    seen_distinct = -1
+    for attempt in range(1, _MAX_GROWTH_ATTEMPTS + 1):
+        generated = size * 2**attempt
+        items = _generate(name, params, generated, seed)
+        problems, seen = [], set()
+        for index, (question, answer) in enumerate(items):
+            pid = prompt_id(question)
+            if pid in seen:
+                continue
+            seen.add(pid)
+            if pid not in exclude_ids:
+                problems.append(_problem(question, answer, f"reasoning-gym/{name}:seed={seed}:index={index}"))
+            if len(problems) == size:
+                break
+        if len(problems) == size:
+            break
+        # Doubling found no new question: the task's space is exhausted, more attempts are waste.
+        if len(seen) == seen_distinct:
+            break
+        seen_distinct = len(seen)
+    if len(problems) < size:
+        raise InputError(
+            f"reasoning-gym task {name!r} with params {params!r} (seed {seed}): could get only "
+            f"{len(problems)} distinct problems from {generated} generated items "
+            f"({len(exclude_ids)} ids excluded); asked for {size}. Widen the params or ask for fewer."
+        )
+    identity = {
+        "kind": "reasoning-gym",
+        "name": name,
+        "params": dict(params),
+        "seed": seed,
+        "size": size,
+        # The distribution's version, not reasoning_gym.__version__, which lags behind releases.
+        "library_version": importlib.metadata.version("reasoning-gym"),
+    }
+    return problems, identity
+
+
+# ---------------------------------------------------------------- set checks
+
+
+def check_problem_set(problems: list[Problem], set_name: str) -> None:
+    """A set must be non-empty and hold each prompt once (a repeat would be weighted twice)."""
+    if not problems:
+        raise InputError(f"{set_name} set: no problems")
+    first_source: dict[str, str] = {}
+    for problem in problems:
+        if problem.prompt_id in first_source:
+            raise InputError(
+                f"{set_name} set: duplicate prompt id {problem.prompt_id}: "
+                f"{first_source[problem.prompt_id]} and {problem.source}"
+            )
+        first_source[problem.prompt_id] = problem.source
+
+
+def check_isolation(train: list[Problem], eval: list[Problem]) -> None:
+    """Eval prompts must be unseen in training, or the re-test measures memorization."""
+    eval_sources = {p.prompt_id: p.source for p in eval}
+    overlap = [p for p in train if p.prompt_id in eval_sources]
+    if overlap:
+        first = overlap[0]
+        raise InputError(
+            f"train and eval sets share {len(overlap)} prompt(s); first: prompt id {first.prompt_id} "
+            f"(train {first.source}, eval {eval_sources[first.prompt_id]})"
+        )
+
+
+def problem_set_hash(problems: list[Problem]) -> str:
+    """sha256 over the ordered (prompt id, reference) pairs: the set's identity in the evidence."""
+    payload = json.dumps([[p.prompt_id, p.reference] for p in problems], ensure_ascii=False)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
