@@ -1,0 +1,88 @@
+"""The command line: exit codes and one-line errors for bad input; nothing written on failure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from grpogate.cli import app
+
+GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+needs_gsm8k = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason=f"GSM8K not found at {GSM8K_DIR}")
+
+
+@pytest.fixture
+def invoke(tmp_path, monkeypatch):
+    """Run the CLI in an empty working directory; returns (result, files created there)."""
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+
+    def call(*args: str):
+        result = runner.invoke(app, list(args))
+        return result, sorted(p.name for p in tmp_path.iterdir())
+
+    return call
+
+
+def one_line_error(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1, output
+    assert lines[0].startswith("error:"), output
+    return lines[0]
+
+
+@needs_gsm8k
+def test_dry_run_of_the_reference_profile_passes(invoke):
+    result, created = invoke("run", "--dry-run", "--profile", "gsm8k_qwen05b",
+                             "--set", f"task.path={json.dumps(str(GSM8K_DIR))}")
+    assert result.exit_code == 0, result.output
+    assert "dry run passed" in result.output
+    assert '"verifier": "gsm8k-final-number-v1"' in result.output
+    assert created == []
+
+
+def test_group_size_one_is_bad_input(invoke):
+    result, created = invoke("run", "--set", "group_size=1")
+    assert result.exit_code == 2, result.output
+    line = one_line_error(result.output)
+    assert "group_size" in line and ">= 2" in line
+    assert created == []
+
+
+def test_unknown_profile_names_the_known_ones(invoke):
+    result, created = invoke("run", "--profile", "nope")
+    assert result.exit_code == 2, result.output
+    line = one_line_error(result.output)
+    assert "'nope'" in line
+    for known in ("default", "smoke", "gsm8k_qwen05b"):
+        assert known in line
+    assert created == []
+
+
+def test_unknown_override_key_is_bad_input(invoke):
+    result, created = invoke("run", "--set", "foo=1")
+    assert result.exit_code == 2, result.output
+    line = one_line_error(result.output)
+    assert "unknown key 'foo'" in line
+    assert created == []
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_bad_gate_values_are_bad_input(invoke, value):
+    result, created = invoke("run", "--set", f"gates.minimum_valid_group_ratio={value}")
+    assert result.exit_code == 2, result.output
+    line = one_line_error(result.output)
+    assert "minimum_valid_group_ratio" in line
+    assert created == []
+
+
+def test_a_negative_gain_gate_is_allowed_in_a_dry_run(invoke):
+    # The two gain gates are signed: "accept a small regression" is a legitimate policy.
+    result, created = invoke("run", "--dry-run", "--set", "gates.minimum_reward_gain=-0.05",
+                             "--set", "train_prompts=8", "--set", "prompts_per_step=8",
+                             "--set", "eval_prompts=4")
+    assert result.exit_code == 0, result.output
+    assert created == []

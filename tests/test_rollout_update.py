@@ -1,0 +1,292 @@
+"""Rollout and update on a tiny random-weight Llama: sampling, records, one GRPO step, log-probs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpogate import update as update_module
+from grpogate.errors import InputError
+from grpogate.policy import load_policy, reference_mode, trainable_parameters
+from grpogate.rollout import (
+    SamplingSettings,
+    encode_prompts,
+    generate_completions,
+    score_completions,
+    trajectory_records,
+)
+from grpogate.tasks import Problem, prompt_id
+from grpogate.update import (
+    NonFiniteUpdate,
+    UpdateBatch,
+    UpdateSettings,
+    build_update_batch,
+    completion_logprobs,
+    grpo_update,
+    pack_sequences,
+)
+from grpogate.verifiers import get_verifier
+
+EOS = 2
+G = 4
+QUESTIONS = [("What is 3 + 4?", "7"), ("What is 12 + 30?", "42")]
+
+
+def problems() -> list[Problem]:
+    return [Problem(prompt_id(q), q, a, f"test:{i}") for i, (q, a) in enumerate(QUESTIONS)]
+
+
+@pytest.fixture
+def policy(tiny_config, tmp_path):
+    return load_policy(tiny_config(tmp_path), seed=0)
+
+
+@pytest.fixture
+def prompts(policy):
+    return encode_prompts(policy.tokenizer, problems(), "Answer with a number.", 192)
+
+
+def eos_biased(policy, bias: float = 9.5):
+    """A random 49k-vocabulary model almost never samples EOS in 8 tokens; raise its logit so
+    that, at seed 0, some completions stop early and some hit the budget."""
+    offset = torch.zeros(policy.model.get_output_embeddings().weight.shape[0])
+    offset[EOS] = bias
+    return policy.model.get_output_embeddings().register_forward_hook(
+        lambda module, inputs, output: output + offset)
+
+
+def settings(max_new_tokens: int = 8, batch_size: int = 3) -> SamplingSettings:
+    return SamplingSettings(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0,
+                            batch_size=batch_size)
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def update_settings(**overrides) -> UpdateSettings:
+    values = dict(clip_epsilon=0.2, kl_coef=0.02, max_grad_norm=1.0, micro_batch_size=2,
+                  groups_per_update=0, loss_aggregation="sequence_mean", temperature=1.0)
+    return UpdateSettings(**{**values, **overrides})
+
+
+def hand_batch(prompts, group_count: int = 2) -> UpdateBatch:
+    """G = 2 per group, ragged completions (one ends in EOS), advantages +1 / -1."""
+    completions = [[504, 3077, 314, EOS], [905, 28, 17, 1120, 44, 7], [1011, 29], [9063, 17, 9, 4]]
+    batch = UpdateBatch([], [], [], [])
+    for group in range(group_count):
+        for member, advantage in enumerate((0.7071, -0.7071)):
+            batch.prompt_token_ids.append(prompts[group % len(prompts)])
+            batch.completion_token_ids.append(completions[(2 * group + member) % len(completions)])
+            batch.advantages.append(advantage)
+            batch.group_index.append(group)
+    return batch
+
+
+# --- rollout ----------------------------------------------------------------------------------
+
+
+def test_generate_completions_cuts_at_eos_and_flags_the_budget(policy, prompts):
+    hook = eos_biased(policy)
+    try:
+        completions = generate_completions(policy.model, policy.tokenizer, prompts, G, settings(),
+                                           seed=0)
+    finally:
+        hook.remove()
+    assert len(completions) == len(prompts) * G
+    assert [(c.prompt_index, c.sample_index) for c in completions] == [
+        (p, g) for p in range(len(prompts)) for g in range(G)]
+    stopped = [c for c in completions if not c.hit_max_length]
+    cut = [c for c in completions if c.hit_max_length]
+    assert stopped and cut, "the EOS bias should give both outcomes at seed 0"
+    for completion in completions:
+        ids = completion.completion_token_ids
+        assert completion.prompt_token_ids == prompts[completion.prompt_index]
+        assert 1 <= len(ids) <= 8
+        assert completion.hit_max_length == (EOS not in ids)
+        if completion.hit_max_length:
+            assert len(ids) == 8
+        else:
+            assert ids.index(EOS) == len(ids) - 1  # EOS kept, nothing after it
+        assert completion.text == policy.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_same_seed_same_completions_other_seed_differs(policy, prompts):
+    def sample(seed, batch_size=3):
+        return [c.completion_token_ids
+                for c in generate_completions(policy.model, policy.tokenizer, prompts, G,
+                                              settings(batch_size=batch_size), seed=seed)]
+
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(8) != first
+    policy.model.train()
+    sample(7)
+    assert policy.model.training  # generate_completions puts the model back as it found it
+
+
+def test_trajectory_records_carry_every_identity(policy, prompts):
+    completions = generate_completions(policy.model, policy.tokenizer, prompts, G, settings(),
+                                       seed=0)
+    verifier = get_verifier("reasoning-gym/chain_sum")
+    rewards = score_completions(completions, problems(), verifier)
+    rewards[1] = 1.0  # a value the tiny model cannot earn, to see it carried through
+    records = trajectory_records(completions, rewards, problems(), run_id="run-a", step=3,
+                                 policy_version="p" * 64, verifier_version=verifier.version)
+    assert len(records) == len(prompts) * G
+    for record, completion, reward in zip(records, completions, rewards):
+        assert set(record) == {"step", "prompt_id", "sample_index", "trace_id",
+                               "source_policy_version", "verifier_version", "completion",
+                               "completion_tokens", "hit_max_length", "reward"}
+        assert record["step"] == 3
+        assert record["prompt_id"] == problems()[completion.prompt_index].prompt_id
+        assert record["sample_index"] == completion.sample_index
+        assert record["source_policy_version"] == "p" * 64
+        assert record["verifier_version"] == verifier.version
+        assert record["completion"] == completion.text
+        assert record["completion_tokens"] == len(completion.completion_token_ids)
+        assert record["hit_max_length"] is completion.hit_max_length
+        assert isinstance(record["reward"], float) and record["reward"] == reward
+    assert len({r["trace_id"] for r in records}) == len(records)
+    other_step = trajectory_records(completions, rewards, problems(), run_id="run-a", step=4,
+                                    policy_version="p" * 64, verifier_version=verifier.version)
+    assert not {r["trace_id"] for r in records} & {r["trace_id"] for r in other_step}
+
+
+def test_encode_prompts_refuses_to_truncate(policy):
+    with pytest.raises(InputError, match="max_prompt_tokens"):
+        encode_prompts(policy.tokenizer, problems(), "Answer with a number.", 8)
+
+
+# --- log-probabilities ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_completion_logprobs_match_a_full_log_softmax(policy, prompts, temperature):
+    completions = [[504, 3077, 314, 2208, EOS], [905, 28], [1011, 29, 17, 44]]
+    batch_prompts = [prompts[0], prompts[1][:-5], prompts[1]]  # ragged left padding
+    input_ids, attention_mask, completion_ids, mask = pack_sequences(
+        batch_prompts, completions, EOS, torch.device("cpu"))
+    width = max(len(p) for p in batch_prompts)
+    assert completion_ids.shape == (3, 5) and mask.sum().item() == 11
+    with torch.no_grad():
+        fast = completion_logprobs(policy.model, input_ids, attention_mask, completion_ids,
+                                   temperature, chunk=2)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        full = policy.model(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids).logits
+        naive = torch.log_softmax(full.float() / temperature, dim=-1)
+        for row, (prompt, completion) in enumerate(zip(batch_prompts, completions)):
+            for t, token in enumerate(completion):
+                expected = naive[row, width - 1 + t, token]
+                assert abs(fast[row, t].item() - expected.item()) < 1e-5
+            # The same sequence alone, unpadded: padding must not change any log-prob.
+            alone = torch.tensor([prompt + completion])
+            logits = policy.model(input_ids=alone).logits.float() / temperature
+            single = torch.log_softmax(logits[0], dim=-1)
+            for t, token in enumerate(completion):
+                expected = single[len(prompt) - 1 + t, token]
+                assert abs(fast[row, t].item() - expected.item()) < 1e-4
+
+
+# --- the update -------------------------------------------------------------------------------
+
+
+def run_update(policy, batch, optimizer=None, **overrides):
+    parameters = trainable_parameters(policy)
+    optimizer = optimizer or torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.0)
+    return grpo_update(policy.model, optimizer, batch, update_settings(**overrides), EOS,
+                       lambda: reference_mode(policy), parameters)
+
+
+def test_one_update_moves_lora_and_never_the_base(policy, prompts):
+    before = snapshot(policy.model)
+    record = run_update(policy, hand_batch(prompts))
+    after = policy.model.state_dict()
+    assert record.update_count == 1
+    assert record.sequences == 4 and record.tokens == 4 + 6 + 2 + 4
+    summary = record.summary()
+    assert summary["clip_fraction"] == 0.0  # one step per rollout: ratio is exactly 1
+    assert summary["mean_kl"] == pytest.approx(0.0, abs=1e-6)  # B = 0: policy == reference
+    assert all(math.isfinite(x) for x in summary["loss"] + summary["grad_norm"])
+    base_names = [n for n in before if "lora_" not in n]
+    lora_b = [n for n in before if "lora_B" in n]
+    assert len(base_names) > 10 and lora_b
+    assert all(torch.equal(before[n], after[n]) for n in base_names)
+    assert any(not torch.equal(before[n], after[n]) for n in lora_b)
+
+
+def test_build_update_batch_keeps_only_valid_groups(prompts):
+    completions = [[10 + i] for i in range(3 * G)]
+    rewards = [1.0, 0.0, 0.0, 0.0] + [0.0] * G + [1.0] * G
+    batch = build_update_batch([prompts[0]] * (3 * G), completions, rewards, G)
+    assert len(batch) == G and batch.group_count == 1
+    assert batch.completion_token_ids == completions[:G]
+    # Hand-computed: mean 0.25, unbiased std 0.5 -> (1 - 0.25) / 0.5001, (0 - 0.25) / 0.5001.
+    assert batch.advantages == pytest.approx([0.75 / 0.5001] + [-0.25 / 0.5001] * 3)
+
+
+def test_token_terms_equal_hand_computed_values():
+    # ratio 2 (p 0.5 over old 0.25), epsilon 0.2; reference p 0.25 -> k3 KL = 0.5 + ln 2 - 1.
+    logp = torch.log(torch.tensor([[0.5, 0.5]]))
+    old = torch.log(torch.tensor([[0.25, 0.5]]))
+    ref = torch.log(torch.tensor([[0.25, 0.5]]))
+    kl_expected = 0.5 + math.log(2) - 1
+    for advantage, surrogate, clipped in ((1.0, 1.2, True), (-1.0, -2.0, False)):
+        per_token, kl, was_clipped = update_module.grpo_token_terms(
+            logp, old, ref, torch.tensor([advantage]), 0.2, 0.1)
+        assert kl[0, 0].item() == pytest.approx(kl_expected, abs=1e-6)
+        assert kl[0, 1].item() == pytest.approx(0.0, abs=1e-7)
+        assert per_token[0, 0].item() == pytest.approx(-(surrogate - 0.1 * kl_expected), abs=1e-6)
+        assert per_token[0, 1].item() == pytest.approx(-advantage, abs=1e-6)  # ratio 1, KL 0
+        assert was_clipped.tolist() == [[clipped, False]]
+
+
+def test_empty_batch_takes_no_optimizer_step(policy):
+    before = snapshot(policy.model)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=1e-3)
+    record = run_update(policy, UpdateBatch([], [], [], []), optimizer)
+    assert record.update_count == 0 and record.tokens == 0
+    assert not optimizer.state  # AdamW never stepped
+    after = policy.model.state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_one_group_per_update_uses_precomputed_old_logprobs(policy, prompts, monkeypatch):
+    seen = []
+    real_terms = update_module.grpo_token_terms
+
+    def spy(logp, old_logp, *args):
+        seen.append((logp.detach().clone(), old_logp.detach().clone()))
+        return real_terms(logp, old_logp, *args)
+
+    monkeypatch.setattr(update_module, "grpo_token_terms", spy)
+    parameters = trainable_parameters(policy)
+    optimizer = torch.optim.AdamW(parameters, lr=5e-2)
+    record = run_update(policy, hand_batch(prompts), optimizer, groups_per_update=1,
+                        micro_batch_size=8, clip_epsilon=0.01)
+    assert record.update_count == 2
+    assert len(seen) == 2  # one micro-batch per optimizer step
+    first_logp, first_old = seen[0]
+    second_logp, second_old = seen[1]
+    # Step one: the old log-probs are those of the unchanged policy (ratio 1).
+    assert torch.allclose(first_logp, first_old, atol=1e-5)
+    # Step two: the policy moved, its old log-probs did not (they were fixed before step one).
+    assert not torch.allclose(second_logp, second_old, atol=1e-4)
+    summary = record.summary()
+    assert 0.0 <= summary["clip_fraction"] <= 1.0
+    assert summary["clip_fraction"] > 0.0  # lr 5e-2 and epsilon 0.01 push ratios out of range
+
+
+def test_non_finite_loss_raises_and_leaves_parameters(policy, prompts):
+    batch = hand_batch(prompts)
+    batch.advantages[1] = float("nan")
+    before = snapshot(policy.model)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=1e-3)
+    with pytest.raises(NonFiniteUpdate):
+        run_update(policy, batch, optimizer)
+    assert not optimizer.state
+    after = policy.model.state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)

@@ -1,0 +1,115 @@
+"""Advantages, the valid-group filter and the GRPO loss against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from grpogate.update import (
+    build_update_batch,
+    grpo_loss,
+    grpo_token_terms,
+    group_advantages,
+    loss_denominator,
+    aggregate_loss,
+    valid_group_mask,
+)
+
+# SPEC §4's reference groups.
+REFERENCE_REWARDS = [[0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0],
+                     [0.0, 0.0, 1.0, 1.0]]
+
+
+def test_group_advantages_by_hand():
+    # [0,1,0,1]: mean 0.5, unbiased std sqrt((4 * 0.25) / 3) = sqrt(1/3) = 0.57735...
+    advantages = group_advantages(torch.tensor(REFERENCE_REWARDS, dtype=torch.float64))
+    plus = 0.5 / (math.sqrt(1 / 3) + 1e-4)  # 0.865876...
+    assert advantages[0].tolist() == pytest.approx([-plus, plus, -plus, plus], abs=1e-12)
+    # all-equal groups: numerator 0 -> advantage exactly 0
+    assert advantages[1].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert advantages[2].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert advantages[3].tolist() == pytest.approx([-plus, -plus, plus, plus], abs=1e-12)
+    # a single success in 4: mean 0.25, std sqrt((3*0.0625 + 0.5625)/3) = 0.5
+    lone = group_advantages(torch.tensor([[0.0, 0.0, 0.0, 1.0]], dtype=torch.float64))
+    assert lone[0].tolist() == pytest.approx([-0.25 / 0.5001] * 3 + [0.75 / 0.5001], abs=1e-12)
+
+
+def test_valid_group_mask_keeps_only_groups_with_reward_variance():
+    mask = valid_group_mask(torch.tensor(REFERENCE_REWARDS))
+    assert mask.tolist() == [True, False, False, True]
+
+
+def test_zero_variance_groups_never_reach_the_update_batch():
+    rewards = [r for group in REFERENCE_REWARDS for r in group]
+    prompts = [[10 + g] for g in range(4) for _ in range(4)]  # prompt token marks its group
+    completions = [[100 + i] for i in range(16)]
+    batch = build_update_batch(prompts, completions, rewards, group_size=4)
+    assert len(batch) == 8 and batch.group_count == 2
+    assert {p[0] for p in batch.prompt_token_ids} == {10, 13}  # groups 0 and 3 only
+    assert batch.completion_token_ids == [[100], [101], [102], [103], [112], [113], [114], [115]]
+    assert batch.group_index == [0, 0, 0, 0, 1, 1, 1, 1]
+    plus = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    assert batch.advantages == pytest.approx([-plus, plus, -plus, plus, -plus, -plus, plus, plus])
+
+
+def test_incomplete_groups_are_refused():
+    with pytest.raises(ValueError, match="complete groups"):
+        build_update_batch([[1]] * 5, [[2]] * 5, [0.0, 1.0, 0.0, 1.0, 1.0], group_size=4)
+
+
+def test_on_policy_loss_is_minus_the_advantage_mean():
+    # ratio 1 everywhere: per-token loss = -A. Sequence 1 has 2 tokens (A = 0.5), sequence 2
+    # has 1 token (A = -1). sequence_mean: mean(-0.5, +1.0) = 0.25.
+    # token_mean: (-0.5 - 0.5 + 1.0) / 3 = 0.
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    advantages = torch.tensor([0.5, -1.0])
+    sequence = grpo_loss(logp, logp, None, advantages, mask, 0.2, 0.0, "sequence_mean")
+    token = grpo_loss(logp, logp, None, advantages, mask, 0.2, 0.0, "token_mean")
+    assert sequence.item() == pytest.approx(0.25)
+    assert token.item() == pytest.approx(0.0)
+
+
+def test_clipping_and_k3_kl_by_hand():
+    # ratio e^0.5 = 1.648721 on both tokens, eps 0.2.
+    # A = +1: min(1.6487, 1.2) = 1.2 -> clipped; A = -1: min(-1.6487, -1.2) = -1.6487 -> not clipped.
+    # ref - logp = ln 0.5 -> k3 = 0.5 - ln 0.5 - 1 = 0.193147.
+    old = torch.tensor([[-1.0], [-1.0]])
+    logp = old + 0.5
+    ref = logp + math.log(0.5)
+    advantages = torch.tensor([1.0, -1.0])
+    per_token, kl, clipped = grpo_token_terms(logp, old, ref, advantages, 0.2, 0.1)
+    k3 = 0.5 - math.log(0.5) - 1
+    assert kl.flatten().tolist() == pytest.approx([k3, k3], abs=1e-6)
+    assert clipped.flatten().tolist() == [True, False]
+    assert per_token.flatten().tolist() == pytest.approx(
+        [-(1.2 - 0.1 * k3), -(-math.exp(0.5) - 0.1 * k3)], abs=1e-6)
+    # the whole loss: mean of the two one-token sequences
+    mask = torch.ones(2, 1)
+    loss = grpo_loss(logp, old, ref, advantages, mask, 0.2, 0.1, "sequence_mean")
+    assert loss.item() == pytest.approx(((-1.2 + 0.1 * k3) + (math.exp(0.5) + 0.1 * k3)) / 2, abs=1e-6)
+
+
+def test_gradient_of_clipped_token_is_zero():
+    old = torch.tensor([[0.0]])
+    logp = torch.tensor([[0.5]], requires_grad=True)
+    loss = grpo_loss(logp, old, None, torch.tensor([1.0]), torch.ones(1, 1), 0.2, 0.0, "sequence_mean")
+    loss.backward()
+    assert logp.grad.item() == 0.0  # above 1+eps with a positive advantage: no push further
+
+
+def test_micro_batches_sum_to_the_whole_batch_loss():
+    # Two micro-batches divided by the step's denominator equal one whole-batch loss.
+    torch.manual_seed(0)
+    logp = torch.randn(4, 3)
+    old = logp + 0.1 * torch.randn(4, 3)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.float32)
+    advantages = torch.tensor([0.7, -0.3, 1.1, -1.5])
+    for aggregation in ("sequence_mean", "token_mean"):
+        whole = grpo_loss(logp, old, None, advantages, mask, 0.2, 0.0, aggregation)
+        denominator = loss_denominator(mask.sum(-1).long().tolist(), aggregation)
+        parts = 0.0
+        for rows in ([0, 1], [2, 3]):
+            per_token, _, _ = grpo_token_terms(logp[rows], old[rows], None, advantages[rows], 0.2, 0.0)
+            parts += aggregate_loss(per_token, mask[rows], aggregation) / denominator
+        assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
