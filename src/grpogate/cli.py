@@ -115,5 +115,171 @@ def run(
         raise typer.Exit(DECISION_EXIT_CODES[decision["decision"]])
 
 
+@app.command()
+def decide(
+    run_dir: str = typer.Argument(..., help="A finished run directory (evidence.json, manifest.json)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full audit as JSON."),
+) -> None:
+    """Re-check a finished run from its files alone and print the decision.
+
+    Recomputes every quantity the trajectories and re-test files determine, re-runs the verifier
+    on every stored completion, checks every hash the manifest records and re-runs the decision.
+    Exit codes: 0 the audit agrees with the run's own decision and nothing mismatches; 4 reject
+    because something mismatches (the fields are named); 2 not a readable run directory.
+    """
+    from grpogate.audit import audit_run
+
+    try:
+        audit = audit_run(run_dir)
+    except InputError as error:
+        _fail(error)
+    if as_json:
+        console.print_json(json.dumps(audit))
+    else:
+        console.print(gates_table({"checks": audit["checks"]}))
+        for mismatch in audit["mismatches"][:50]:
+            console.print(f"[red]mismatch[/] {mismatch['field']}: recorded "
+                          f"{_short(mismatch['recorded'])}, recomputed {_short(mismatch['recomputed'])}",
+                          soft_wrap=True)
+        if len(audit["mismatches"]) > 50:
+            console.print(f"... and {len(audit['mismatches']) - 50} more mismatches (--json lists all)")
+        style = DECISION_STYLE[audit["decision"]]
+        verdict = ("agrees with the run's own decision" if audit["agrees"] else
+                   f"{len(audit['mismatches'])} mismatch(es); the run recorded "
+                   f"{audit['recorded_decision']!r}")
+        console.print(f"decision: [{style}]{audit['decision']}[/] ({verdict})")
+    if not audit["agrees"]:
+        raise typer.Exit(DECISION_EXIT_CODES["reject"])
+
+
+def _short(value, limit: int = 80) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@app.command("eval")
+def eval_policy(
+    policy: str = typer.Option(..., help="BASE[+ADAPTER]: bundled id, HF dir, .gguf or HF id, "
+                               "optionally + a PEFT adapter directory."),
+    out: str = typer.Option(..., help="Eval file to write (JSON; must not exist)."),
+    tasks: Optional[str] = typer.Option(None, help="reasoning-gym:NAME or gsm8k:PATH; default: "
+                                        "the profile's task."),
+    group_size: Optional[int] = typer.Option(None, help="Samples per prompt (default: the "
+                                             "profile's eval_group_size)."),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed (default: run seed + 10000, "
+                                       "the seed of a run's re-test)."),
+    eval_prompts: Optional[int] = typer.Option(None, help="Number of eval prompts."),
+    profile: str = typer.Option("default", help="Packaged profile for task params and sampling."),
+    config_file: str = typer.Option("", "--config", help="TOML file applied on top of the profile."),
+    overrides: list[str] = typer.Option([], "--set", help="key=value override."),
+    device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
+    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or auto."),
+) -> None:
+    """Evaluate one policy alone: per-prompt records plus reduced metrics, for `grpogate compare`."""
+    from pathlib import Path
+
+    from grpogate.evidence import atomic_write_json
+    from grpogate.standalone_eval import (EVAL_SEED_OFFSET, evaluate_standalone,
+                                          parse_policy_spec, parse_tasks_spec)
+
+    try:
+        if Path(out).exists():
+            raise InputError(f"{out}: already exists; choose a new --out")
+        base, adapter = parse_policy_spec(policy)
+        config = load_config(profile, config_file, overrides, model=base, adapter=adapter,
+                             device=device, dtype=dtype, eval_prompts=eval_prompts,
+                             eval_group_size=group_size,
+                             task=parse_tasks_spec(tasks) if tasks else None)
+        sampling_seed = seed if seed is not None else config.seed + EVAL_SEED_OFFSET
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=True) as progress:
+            task_id = progress.add_task("evaluate", total=config.eval_prompts * config.eval_group_size)
+            document = evaluate_standalone(config, policy, sampling_seed,
+                                           lambda advance=1: progress.advance(task_id, advance))
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out, document)
+    except InputError as error:
+        _fail(error)
+    summary = document["metrics"]
+    console.print(f"{policy}: mean reward {summary['mean_reward']:.4f}, pass@{config.eval_group_size} "
+                  f"{summary['pass_at_group']:.4f}, max-length hit ratio "
+                  f"{summary['max_length_hit_ratio']:.4f} on {summary['prompt_count']} prompts "
+                  f"(seed {sampling_seed})")
+    console.print(f"policy version {document['policy']['policy_version']}; eval file: {out}")
+
+
+@app.command()
+def compare(
+    baseline_file: str = typer.Argument(..., help="Eval file A (the baseline)."),
+    candidate_file: str = typer.Argument(..., help="Eval file B (the candidate)."),
+    out: Optional[str] = typer.Option(None, help="Also write the comparison JSON here."),
+    resamples: int = typer.Option(2000, help="Bootstrap resamples."),
+    bootstrap_seed: int = typer.Option(0, help="Bootstrap seed."),
+    as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+) -> None:
+    """Pair two eval files prompt by prompt: gains (B - A), bootstrap intervals, exact tests.
+
+    Refuses (exit 2) when their prompt ids, seeds, verifier versions or group sizes differ.
+    """
+    from pathlib import Path
+
+    from grpogate.evidence import atomic_write_json
+    from grpogate.standalone_eval import compare_evaluations
+
+    try:
+        documents = []
+        for name in (baseline_file, candidate_file):
+            if not Path(name).is_file():
+                raise InputError(f"{name}: no such eval file")
+            try:
+                documents.append(json.loads(Path(name).read_text(encoding="utf-8")))
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise InputError(f"{name}: not valid JSON: {error}") from None
+        result = compare_evaluations(*documents, names=(baseline_file, candidate_file),
+                                     resamples=resamples, bootstrap_seed=bootstrap_seed)
+        if out:
+            atomic_write_json(out, result)
+    except InputError as error:
+        _fail(error)
+    if as_json:
+        console.print_json(json.dumps(result))
+        return
+    paired = result["paired"]
+    table = Table(title=f"paired comparison on {paired['prompt_count']} prompts (B - A)")
+    for column in ("metric", "A", "B", "gain", f"{paired['confidence']:.0%} bootstrap", "exact test p"):
+        table.add_column(column)
+    a, b = result["baseline"], result["candidate"]
+    tests = {"reward_mean_gain": ("mean_reward", paired["reward_mean_gain"]["sign_test"]["p_value"]),
+             "pass_at_group_gain": ("pass_at_group", paired["pass_at_group_gain"]["mcnemar"]["p_value"])}
+    for gain, (metric, p_value) in tests.items():
+        interval = paired[gain]
+        table.add_row(metric, f"{a[metric]:.4f}", f"{b[metric]:.4f}", f"{result[gain]:+.4f}",
+                      f"[{interval['low']:+.4f}, {interval['high']:+.4f}]", f"{p_value:.4g}")
+    table.add_row("mean length", f"{a['length']['mean']:.1f}", f"{b['length']['mean']:.1f}",
+                  f"{paired['length_mean_change']:+.1f}", "", "")
+    table.add_row("max-length hit ratio", f"{a['max_length_hit_ratio']:.4f}",
+                  f"{b['max_length_hit_ratio']:.4f}", f"{paired['max_length_hit_ratio_change']:+.4f}",
+                  "", "")
+    console.print(table)
+    console.print("exact tests: sign test on per-prompt mean reward, McNemar on per-prompt pass@group")
+    for warning in result["warnings"]:
+        console.print(f"[yellow]warning:[/] {warning}")
+
+
+@app.command()
+def report(
+    run_dir: str = typer.Argument(..., help="A run directory (evidence.json)."),
+) -> None:
+    """Write RUN_DIR/report.html (self-contained, images embedded) and the report_*.png beside it."""
+    from grpogate.report import write_report
+
+    try:
+        path = write_report(run_dir)
+    except InputError as error:
+        _fail(error)
+    console.print(f"report: {path}")
+
+
 if __name__ == "__main__":
     app()

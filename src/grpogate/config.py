@@ -57,6 +57,9 @@ class Gates:
     minimum_pass_at_group_gain: float = 0.0
     maximum_max_length_hit_ratio: float = 0.50
     maximum_peak_allocated_bytes: float = 10 * 1024**3
+    # true: the reward and pass_at_group gates must be cleared by the 95 % paired bootstrap
+    # interval's lower bound, not only by the point estimate (off: SPEC §5's published gates).
+    require_significant_gain: bool = False
 
 
 @dataclass

@@ -33,6 +33,11 @@ GATE_NAMES = (
 # A user may accept a small quality loss (e.g. -0.02); every other gate is a count, a ratio,
 # a rate or a size, for which a negative bound is a mistake.
 _SIGNED_GATES = frozenset({"minimum_reward_gain", "minimum_pass_at_group_gain"})
+# Switches rather than thresholds; optional, and off when absent, so a gates table written for
+# SPEC §5 keeps its meaning. require_significant_gain: the reward and pass_at_group checks read
+# the paired bootstrap interval's LOWER bound (evidence["comparison"]["paired"][gain]["low"])
+# instead of the point estimate, so a gain within sampling noise does not clear the gate.
+SWITCH_GATE_NAMES = ("require_significant_gain",)
 CONTRACT_CHECKS = ("prompt_identity", "policy_version", "verifier_version", "group_size",
                    "unique_traces")
 # Reported when there is no group at all: none of the five checks can say anything about an
@@ -165,6 +170,14 @@ def _stage_seconds(rollout: Any, update: Any) -> float | None:
     return float(sum(float(part) for part in seconds))
 
 
+def _gain(evidence: Any, gates: Any, name: str) -> Any:
+    """The point estimate of a re-test gain, or its bootstrap lower bound when the gates
+    require a significant gain (missing paired statistics then fail the check)."""
+    if _get(gates, "require_significant_gain") is True:
+        return _get(evidence, "comparison", "paired", name, "low")
+    return _get(evidence, "comparison", name)
+
+
 def _candidate_checks(evidence: Any, gates: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The metrics and the eight candidate check rows, in SPEC §4 order."""
     rollout, update = _get(evidence, "rollout"), _get(evidence, "update")
@@ -184,9 +197,9 @@ def _candidate_checks(evidence: Any, gates: Any) -> tuple[dict[str, Any], list[d
                   per_second if groups_well_formed and seconds is not None else None, gates,
                   "minimum_effective_trajectories_per_second"),
         _gate_row("updates", _get(update, "update_count"), gates, "minimum_update_count"),
-        _gate_row("reward", _get(evidence, "comparison", "reward_mean_gain"), gates,
+        _gate_row("reward", _gain(evidence, gates, "reward_mean_gain"), gates,
                   "minimum_reward_gain"),
-        _gate_row("pass_at_group", _get(evidence, "comparison", "pass_at_group_gain"), gates,
+        _gate_row("pass_at_group", _gain(evidence, gates, "pass_at_group_gain"), gates,
                   "minimum_pass_at_group_gain"),
         _gate_row("truncation", _get(rollout, "max_length_hit_ratio"), gates,
                   "maximum_max_length_hit_ratio"),
@@ -278,20 +291,21 @@ def decide_run(evidence: Any, gates: Any) -> dict[str, Any]:
 
 # --- gates ---------------------------------------------------------------------------------
 
-def validate_gates(gates: Any) -> dict[str, float]:
-    """The seven gates as floats; InputError for an unknown, missing, non-number, non-finite
-    or (except the two gain gates) negative value."""
+def validate_gates(gates: Any) -> dict[str, float | bool]:
+    """The seven gates as floats, plus any switch gate given (a bool); InputError for an
+    unknown, missing, non-number, non-finite or (except the two gain gates) negative value,
+    or a switch that is not true/false."""
     if not isinstance(gates, dict):
         raise InputError(f"gates must be a table of {len(GATE_NAMES)} numbers, got "
                          f"{type(gates).__name__}")
-    known = ", ".join(GATE_NAMES)
+    known = ", ".join(GATE_NAMES + SWITCH_GATE_NAMES)
     for name in gates:
-        if name not in GATE_NAMES:
+        if name not in GATE_NAMES + SWITCH_GATE_NAMES:
             raise InputError(f"unknown gate {name!r}; known gates: {known}")
     missing = [name for name in GATE_NAMES if name not in gates]
     if missing:
         raise InputError(f"missing gate(s): {', '.join(missing)}; all of these are required: "
-                         f"{known}")
+                         f"{', '.join(GATE_NAMES)}")
     validated = {}
     for name in GATE_NAMES:
         value = gates[name]
@@ -302,4 +316,9 @@ def validate_gates(gates: Any) -> dict[str, float]:
         if value < 0 and name not in _SIGNED_GATES:
             raise InputError(f"gate {name!r} must be >= 0, got {value!r}")
         validated[name] = float(value)
+    for name in SWITCH_GATE_NAMES:
+        if name in gates:
+            if not isinstance(gates[name], bool):
+                raise InputError(f"gate {name!r} must be true or false, got {gates[name]!r}")
+            validated[name] = gates[name]
     return validated

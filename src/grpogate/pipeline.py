@@ -352,4 +352,14 @@ def run(config: RunConfig, reporter=None) -> dict:
     atomic_write_json(run_dir / "evidence.json", evidence)
     atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))
     evidence["run_dir"] = str(run_dir)
+    # The report is derived from the files above and written after the manifest: a plotting
+    # failure (any exception type matplotlib may raise) is logged and never loses the run;
+    # `grpogate report RUN_DIR` can write it again.
+    try:
+        from grpogate.report import write_report
+
+        reporter.log(f"report: {write_report(run_dir)}")
+    except Exception as error:  # noqa: BLE001
+        reporter.log(f"[yellow]report not written ({type(error).__name__}: {error}); "
+                     f"retry with `grpogate report {run_dir}`")
     return evidence

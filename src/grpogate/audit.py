@@ -1,0 +1,431 @@
+"""Audit a finished run: re-read its files, recompute what can be recomputed, check every hash.
+
+`grpogate decide RUN_DIR` trusts nothing the run says about itself. From the stored files alone
+it recomputes the rollout quantities (reward groups, valid group ratio, effective trajectories,
+max-length hit ratio, per-step summaries), re-runs the verifier named in the evidence on every
+stored completion (training and re-test) against the reference answers of the reloaded problem
+sets, re-reduces the re-test to metrics and paired statistics, checks every hash the manifest
+records, and re-runs `decisions.decide_run` on the evidence. Counts must match exactly, floats
+within FLOAT_TOLERANCE; any mismatch makes the decision `reject`, with the field named
+(`rollout.reward_groups`, `trajectories.jsonl:17 reward`, `files.evidence.json sha256`).
+
+Pure Python (no torch): anyone can audit a run without loading a model. Token counts are the one
+thing taken on trust (re-tokenizing needs the model's tokenizer); they are checked for
+consistency with the token budget only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from grpogate import decisions, metrics
+from grpogate.errors import InputError
+from grpogate.evidence import RUN_FILES, build_manifest, sha256_path, trace_ids_sha256
+from grpogate.tasks import (check_isolation, check_problem_set, load_gsm8k, load_reasoning_gym,
+                            problem_set_hash)
+from grpogate.verifiers import get_verifier
+
+FLOAT_TOLERANCE = 1e-9
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # same name as policy.ADAPTER_WEIGHTS (torch-free)
+STEP_FIELDS = ("mean_reward", "group_count", "valid_group_count", "valid_group_ratio",
+               "max_length_hit_ratio", "generated_tokens")
+
+
+class Audit:
+    """Collects mismatches as {"field", "recorded", "recomputed"}; recorded first, as stored."""
+
+    def __init__(self) -> None:
+        self.mismatches: list[dict[str, Any]] = []
+
+    def mismatch(self, field: str, recorded: Any = None, recomputed: Any = None) -> None:
+        self.mismatches.append({"field": field, "recorded": recorded, "recomputed": recomputed})
+
+    def compare(self, field: str, recorded: Any, recomputed: Any) -> None:
+        """Walk dicts (and lists of dicts) so the deepest differing field is the one named;
+        lists of numbers (reward groups, histogram counts) are named as a whole."""
+        if isinstance(recomputed, dict):
+            if not isinstance(recorded, dict):
+                self.mismatch(field, recorded, "an object")
+                return
+            for key, value in recomputed.items():
+                if key not in recorded:
+                    self.mismatch(f"{field}.{key}", "missing", value)
+                else:
+                    self.compare(f"{field}.{key}", recorded[key], value)
+        elif (isinstance(recomputed, list) and isinstance(recorded, list)
+              and len(recomputed) == len(recorded) and any(isinstance(v, dict) for v in recomputed)):
+            for index, (old, new) in enumerate(zip(recorded, recomputed)):
+                self.compare(f"{field}[{index}]", old, new)
+        elif not same_value(recorded, recomputed):
+            self.mismatch(field, recorded, recomputed)
+
+
+def same_value(recorded: Any, recomputed: Any) -> bool:
+    """Exact for counts, bools and strings; within FLOAT_TOLERANCE when a float is involved."""
+    if isinstance(recorded, bool) or isinstance(recomputed, bool):
+        return type(recorded) is type(recomputed) and recorded == recomputed
+    if isinstance(recorded, (int, float)) and isinstance(recomputed, (int, float)):
+        if isinstance(recorded, int) and isinstance(recomputed, int):
+            return recorded == recomputed
+        return math.isclose(recorded, recomputed, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
+    if isinstance(recorded, list) and isinstance(recomputed, list):
+        return len(recorded) == len(recomputed) and all(
+            same_value(a, b) for a, b in zip(recorded, recomputed))
+    return recorded == recomputed
+
+
+# --- reading the run ---------------------------------------------------------------------------
+
+def _read_object(path: Path, audit: Audit) -> dict | None:
+    """A JSON object file; unreadable content is a mismatch (a tampered file), not a crash."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        audit.mismatch(f"{path.name} (not valid JSON: {error})")
+        return None
+    if not isinstance(document, dict):
+        audit.mismatch(f"{path.name} (not a JSON object)")
+        return None
+    return document
+
+
+def _numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
+    """(1-based line number, record) for every non-blank line; bad lines become mismatches."""
+    if not path.is_file():
+        audit.mismatch(f"{path.name} (missing)")
+        return []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        audit.mismatch(f"{path.name} (not UTF-8 text)")
+        return []
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            audit.mismatch(f"{path.name}:{number} (malformed JSON)")
+            continue
+        if isinstance(record, dict):
+            records.append((number, record))
+        else:
+            audit.mismatch(f"{path.name}:{number} (not a JSON object)")
+    return records
+
+
+def reload_problem_sets(config: dict, inputs: dict) -> tuple[list, dict, list, dict]:
+    """The run's train and eval problems, rebuilt from its recorded configuration.
+
+    Mirrors `pipeline.load_problem_sets` without importing torch (the eval set first, so the
+    train generator skips its prompts); the recorded identities are compared afterwards, so
+    any drift between the two shows up as a named mismatch rather than silently. A GSM8K split
+    is read from the absolute file the run recorded when it exists, so a run configured with a
+    relative path can be audited from any working directory.
+    """
+    task = config["task"]
+    if task["source"] == "gsm8k":
+        def source(identity_key: str) -> str:
+            recorded = (inputs.get(identity_key) or {}).get("file")
+            return recorded if isinstance(recorded, str) and Path(recorded).is_absolute() and \
+                Path(recorded).is_file() else task["path"]
+        eval_set, eval_id = load_gsm8k(source("eval_set"), task["eval_split"],
+                                       config["eval_prompts"], task["eval_seed"])
+        train, train_id = load_gsm8k(source("train_set"), task["train_split"],
+                                     config["train_prompts"], task["train_seed"])
+    else:
+        eval_set, eval_id = load_reasoning_gym(task["name"], task["params"],
+                                               config["eval_prompts"], task["eval_seed"])
+        train, train_id = load_reasoning_gym(task["name"], task["params"], config["train_prompts"],
+                                             task["train_seed"],
+                                             frozenset(p.prompt_id for p in eval_set))
+    check_problem_set(train, "train")
+    check_problem_set(eval_set, "eval")
+    check_isolation(train, eval_set)
+    train_id["problem_set_sha256"] = problem_set_hash(train)
+    eval_id["problem_set_sha256"] = problem_set_hash(eval_set)
+    return train, train_id, eval_set, eval_id
+
+
+# --- the checks ---------------------------------------------------------------------------------
+
+def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
+                 trajectories: list[dict]) -> None:
+    """Every file the manifest pins, the trace ids, the adapter, and the manifest's summary."""
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    root = run_dir.resolve()
+    for name, recorded in files.items():
+        path = (run_dir / name).resolve()
+        if not path.is_relative_to(root):
+            audit.mismatch(f"files.{name} (escapes the run directory)")
+        elif not path.is_file():
+            audit.mismatch(f"files.{name} (missing)", recorded)
+        elif sha256_path(path) != recorded:
+            audit.mismatch(f"files.{name} sha256", recorded, sha256_path(path))
+    adapter_path = str((evidence.get("artifact") or {}).get("path") or "")
+    on_disk = [name for name in RUN_FILES if (run_dir / name).is_file()]
+    if adapter_path and (run_dir / adapter_path).is_dir():
+        on_disk += [f"{adapter_path}/{p.name}" for p in sorted((run_dir / adapter_path).glob("*"))]
+    for name in on_disk:
+        if name not in files:
+            audit.mismatch(f"files.{name} (not recorded in the manifest)")
+
+    identity = manifest.get("trajectory_identity") or {}
+    trace_ids = [str(record.get("trace_id")) for record in trajectories]
+    audit.compare("manifest.trajectory_identity", identity, {
+        "trace_count": len(trace_ids), "trace_ids_sha256": trace_ids_sha256(trace_ids),
+        "trajectories_sha256": _file_sha(run_dir / "trajectories.jsonl"),
+        "evidence_sha256": _file_sha(run_dir / "evidence.json")})
+
+    weights = run_dir / adapter_path / ADAPTER_WEIGHTS
+    audit.compare("artifact.sha256", (evidence.get("artifact") or {}).get("sha256"),
+                  _file_sha(weights) if adapter_path else None)
+    # The rest of the manifest is a summary of the evidence: rebuild it and compare.
+    try:
+        rebuilt = build_manifest(evidence, run_dir, trajectories)
+    except (KeyError, TypeError) as error:
+        audit.mismatch(f"manifest (cannot be rebuilt from the evidence: missing {error})")
+        return
+    for key in ("files", "trajectory_identity"):
+        rebuilt.pop(key)
+    audit.compare("manifest", manifest, rebuilt)
+
+
+def _file_sha(path: Path) -> str | None:
+    return sha256_path(path) if path.is_file() else None
+
+
+def _budget_consistent(record: dict, max_new_tokens: Any) -> bool:
+    """A completion that hit the budget has exactly max_new_tokens tokens; one below it did not."""
+    tokens, hit = record.get("completion_tokens"), record.get("hit_max_length")
+    if not (isinstance(tokens, int) and isinstance(hit, bool) and isinstance(max_new_tokens, int)):
+        return False
+    return tokens == max_new_tokens if hit else tokens <= max_new_tokens
+
+
+def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]], verifier,
+                  references: dict[str, str] | None,
+                  expected: Callable[[dict], dict[str, Any]],
+                  max_new_tokens: Any) -> None:
+    """Per line: the prompt belongs to the set, identities match, the reward re-scores equal."""
+    for number, record in numbered:
+        where = f"{file_name}:{number}"
+        for key, value in expected(record).items():
+            if record.get(key) != value:
+                audit.mismatch(f"{where} {key}", record.get(key), value)
+        if not _budget_consistent(record, max_new_tokens):
+            audit.mismatch(f"{where} hit_max_length", record.get("hit_max_length"),
+                           f"consistent with {record.get('completion_tokens')!r} tokens of "
+                           f"max_new_tokens={max_new_tokens!r}")
+        if references is None or verifier is None:
+            continue
+        reference = references.get(str(record.get("prompt_id")))
+        if reference is None:
+            audit.mismatch(f"{where} prompt_id", record.get("prompt_id"), "a prompt of the set")
+            continue
+        rescored = verifier.score(record.get("completion"), reference)
+        if not same_value(record.get("reward"), rescored):
+            audit.mismatch(f"{where} reward", record.get("reward"), rescored)
+
+
+def check_rollout(audit: Audit, evidence: dict, trajectories: list[dict]) -> None:
+    """Rollout, per-step and update quantities recomputed from the trajectory records."""
+    config, rollout = evidence["config"], evidence.get("rollout") or {}
+    group_size = config["group_size"]
+    audit.compare("rollout.group_size", rollout.get("group_size"), group_size)
+    try:
+        summary = metrics.rollout_summary(trajectories, group_size)
+    except ValueError as error:
+        audit.mismatch(f"trajectories.jsonl ({error})")
+        return
+    audit.compare("rollout", rollout, summary)
+
+    steps = evidence.get("steps") if isinstance(evidence.get("steps"), list) else []
+    for index, step in enumerate(steps):
+        records = [r for r in trajectories if r.get("step") == step.get("step")]
+        if not records:
+            audit.mismatch(f"steps[{index}] (no trajectories for step {step.get('step')!r})")
+            continue
+        recomputed = metrics.rollout_summary(records, group_size)
+        recomputed["generated_tokens"] = sum(int(r["completion_tokens"]) for r in records)
+        audit.compare(f"steps[{index}]", step, {k: recomputed[k] for k in STEP_FIELDS})
+    audit.compare("rollout.generated_tokens", rollout.get("generated_tokens"),
+                  sum(s.get("generated_tokens", 0) for s in steps))
+
+    # Contract: re-check every step's groups against that step's recorded policy version.
+    versions = {s.get("step"): s.get("policy_version") for s in steps}
+    admitted = bool(trajectories)
+    verifier_version = evidence["inputs"]["verifier"]["version"]
+    for step_number in dict.fromkeys(r.get("step") for r in trajectories):
+        records = [r for r in trajectories if r.get("step") == step_number]
+        expected_version = versions.get(step_number, records[0].get("source_policy_version"))
+        result = decisions.check_rollout_contract(_contract_groups(records), expected_version,
+                                                  verifier_version, group_size)
+        admitted &= result["admitted"]
+    audit.compare("contract.admitted", (evidence.get("contract") or {}).get("admitted"), admitted)
+
+    # The update record totals the per-step records (token-weighted KL and clip fraction).
+    tokens = sum(s.get("tokens", 0) for s in steps)
+
+    def token_mean(key: str) -> float:
+        return sum(s.get(key, 0.0) * s.get("tokens", 0) for s in steps) / tokens if tokens else 0.0
+
+    audit.compare("update", evidence.get("update") or {}, {
+        "update_count": sum(s.get("update_count", 0) for s in steps),
+        "trained_sequences": sum(s.get("sequences", 0) for s in steps),
+        "trained_tokens": tokens, "mean_kl": token_mean("mean_kl"),
+        "clip_fraction": token_mean("clip_fraction"),
+        "grad_norm": [g for s in steps for g in s.get("grad_norm", [])]})
+
+
+def _contract_groups(records: list[dict]) -> list[dict]:
+    """One contract group per prompt; a group mixing versions reads as "mixed" and fails."""
+    groups: dict[str, dict] = {}
+    for record in records:
+        group = groups.setdefault(str(record.get("prompt_id")), {
+            "prompt_id": record.get("prompt_id"),
+            "source_policy_version": record.get("source_policy_version"),
+            "verifier_version": record.get("verifier_version"), "trace_ids": []})
+        for key in ("source_policy_version", "verifier_version"):
+            if record.get(key) != group[key]:
+                group[key] = "mixed"
+        group["trace_ids"].append(record.get("trace_id"))
+    return list(groups.values())
+
+
+def check_retest(audit: Audit, evidence: dict, eval_records: list[dict],
+                 eval_prompt_ids: list[str] | None) -> None:
+    """Re-reduce the stored re-test completions to metrics, gains and paired statistics."""
+    config, comparison = evidence["config"], evidence.get("comparison") or {}
+    summaries = {}
+    for name in ("baseline", "candidate"):
+        records = [r for r in eval_records if r.get("policy") == name]
+        try:
+            summaries[name] = metrics.summarize_completions(records, config["eval_group_size"],
+                                                            config["max_new_tokens"])
+        except (ValueError, KeyError) as error:
+            audit.mismatch(f"eval_completions.jsonl {name} ({error})")
+            return
+        if eval_prompt_ids is not None:
+            audit.compare(f"eval_completions.jsonl {name} prompt ids",
+                          sorted(p["prompt_id"] for p in summaries[name]["per_prompt"]),
+                          sorted(eval_prompt_ids))
+        audit.compare(f"comparison.{name}", comparison.get(name), summaries[name])
+    paired = comparison.get("paired") or {}
+    baseline, candidate = summaries["baseline"], summaries["candidate"]
+    try:
+        recomputed = metrics.paired_comparison(
+            baseline, candidate, resamples=paired.get("resamples", 2000),
+            seed=evidence["seeds"]["bootstrap"], confidence=paired.get("confidence", 0.95))
+    except ValueError as error:  # baseline and candidate answered different prompts
+        audit.mismatch(f"comparison.paired ({error})")
+        return
+    audit.compare("comparison", comparison, {
+        "reward_mean_gain": candidate["mean_reward"] - baseline["mean_reward"],
+        "pass_at_group_gain": candidate["pass_at_group"] - baseline["pass_at_group"],
+        "eval_group_size": config["eval_group_size"], "eval_seed": evidence["seeds"]["eval"],
+        "paired": recomputed})
+
+
+def check_evidence_consistency(audit: Audit, evidence: dict) -> None:
+    """Fields stored twice in the evidence must agree with each other."""
+    rollout, update, timings = (evidence.get(k) or {} for k in ("rollout", "update", "timings"))
+    audit.compare("timings", timings, {"rollout_seconds": rollout.get("rollout_seconds"),
+                                       "verification_seconds": rollout.get("verification_seconds"),
+                                       "update_seconds": update.get("update_seconds")})
+    candidate = decisions.evaluate_grpo_candidate(evidence, evidence["config"]["gates"])
+    for key in ("valid_group_ratio", "effective_trajectory_count",
+                "effective_trajectories_per_second"):
+        audit.compare(key, evidence.get(key), candidate[key])
+
+
+# --- the whole audit ----------------------------------------------------------------------------
+
+def audit_run(run_dir: str | Path) -> dict[str, Any]:
+    """Audit one run directory. Returns {"run_dir", "recorded_decision", "decision", "agrees",
+    "mismatches", "checks"}; `decision` is `reject` whenever anything mismatches, else the
+    decision `decide_run` recomputes from the evidence. InputError when there is no
+    evidence.json at all; an unreadable one is a mismatch like any other tampering."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "evidence.json").is_file():
+        raise InputError(f"{run_dir}: not a run directory (no evidence.json)")
+    audit = Audit()
+    evidence = _read_object(run_dir / "evidence.json", audit)
+    if evidence is None or not isinstance(evidence.get("config"), dict):
+        if evidence is not None:
+            audit.mismatch("evidence.json (no config: not a grpogate evidence file)")
+        return {"run_dir": str(run_dir), "recorded_decision": None, "decision": "reject",
+                "agrees": False, "mismatches": audit.mismatches, "checks": []}
+    manifest: dict = {}
+    if (run_dir / "manifest.json").is_file():
+        manifest = _read_object(run_dir / "manifest.json", audit) or {}
+    else:
+        audit.mismatch("manifest.json (missing: the run did not complete)")
+    numbered_trajectories = _numbered_jsonl(run_dir / "trajectories.jsonl", audit)
+    numbered_eval = _numbered_jsonl(run_dir / "eval_completions.jsonl", audit)
+    trajectories = [record for _, record in numbered_trajectories]
+    eval_records = [record for _, record in numbered_eval]
+
+    try:
+        if manifest:
+            check_hashes(audit, run_dir, manifest, evidence, trajectories)
+        verifier = _verifier(audit, evidence)
+        train_refs = eval_refs = None
+        try:
+            train, train_id, eval_set, eval_id = reload_problem_sets(evidence["config"],
+                                                                     evidence["inputs"])
+        except InputError as error:
+            audit.mismatch(f"inputs (cannot reload the problem sets: {error})")
+        else:
+            audit.compare("inputs.train_set", evidence["inputs"].get("train_set"), train_id)
+            audit.compare("inputs.eval_set", evidence["inputs"].get("eval_set"), eval_id)
+            train_refs = {p.prompt_id: p.reference for p in train}
+            eval_refs = {p.prompt_id: p.reference for p in eval_set}
+        versions = {s.get("step"): s.get("policy_version") for s in evidence.get("steps") or []}
+        verifier_version = evidence["inputs"]["verifier"]["version"]
+        max_new_tokens = evidence["config"]["max_new_tokens"]
+        check_records(audit, "trajectories.jsonl", numbered_trajectories, verifier, train_refs,
+                      lambda r: {"verifier_version": verifier_version,
+                                 "source_policy_version": versions.get(
+                                     r.get("step"), r.get("source_policy_version"))},
+                      max_new_tokens)
+        policy_versions = {"baseline": evidence["inputs"]["baseline_policy_version"],
+                           "candidate": evidence["artifact"]["new_policy_version"]}
+        check_records(audit, "eval_completions.jsonl", numbered_eval, verifier, eval_refs,
+                      lambda r: {"verifier_version": verifier_version,
+                                 "seed": evidence["seeds"]["eval"],
+                                 "policy_version": policy_versions.get(
+                                     r.get("policy"), "the baseline or candidate version")},
+                      max_new_tokens)
+        check_rollout(audit, evidence, trajectories)
+        check_retest(audit, evidence, eval_records, list(eval_refs) if eval_refs else None)
+        check_evidence_consistency(audit, evidence)
+    except (KeyError, TypeError, AttributeError) as error:
+        # A field the audit needs is missing or of the wrong type: unreadable evidence.
+        audit.mismatch(f"evidence (malformed: {type(error).__name__} {error})")
+
+    recomputed = decisions.decide_run(evidence, (evidence.get("config") or {}).get("gates"))
+    audit.compare("decision", evidence.get("decision"), recomputed)
+    recorded = (evidence.get("decision") or {}).get("decision") if isinstance(
+        evidence.get("decision"), dict) else None
+    return {
+        "run_dir": str(run_dir), "recorded_decision": recorded,
+        "decision": "reject" if audit.mismatches else recomputed["decision"],
+        "agrees": not audit.mismatches and recomputed["decision"] == recorded,
+        "mismatches": audit.mismatches, "checks": recomputed["checks"],
+    }
+
+
+def _verifier(audit: Audit, evidence: dict):
+    recorded = evidence["inputs"]["verifier"]
+    try:
+        verifier = get_verifier(recorded["name"])
+    except ValueError as error:
+        audit.mismatch(f"inputs.verifier.name ({error})", recorded.get("name"))
+        return None
+    audit.compare("inputs.verifier.version", recorded.get("version"), verifier.version)
+    return verifier

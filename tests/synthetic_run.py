@@ -1,0 +1,170 @@
+"""A small, internally consistent run directory written without a model.
+
+The records are hand-written, but everything derived from them goes through the same functions
+the pipeline uses (problem loading, the verifier, metrics.rollout_summary / summarize_completions
+/ paired_comparison, pipeline.rollout_evidence / update_evidence, decisions.decide_run,
+evidence.build_manifest, atomic writes), so the audit and the report see what a real run writes.
+
+Layout: GSM8K-format JSONL with 4 train and 2 eval problems; 2 steps of 2 prompts x G=4;
+re-test with 4 samples per eval prompt. Train reward groups [1,0,0,1] [0,0,0,0] | [1,1,1,1]
+[0,1,0,0] (2 of 4 valid); eval rewards baseline [0,0,0,0] [1,0,0,0], candidate [1,0,1,0]
+[1,1,0,0]. With the default gates the decision is `accept`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from grpogate import decisions, metrics
+from grpogate.config import Gates, RunConfig, TaskConfig, validate
+from grpogate.evidence import atomic_write_bytes, atomic_write_json, build_manifest, jsonl_bytes
+from grpogate.verifiers import get_verifier
+
+TRAIN_QUESTIONS = [("Ann has 3 apples and buys 4 more. How many?", 7),
+                   ("A box holds 12 pens; 5 are taken. How many remain?", 7),
+                   ("Tom reads 6 pages a day for 3 days. How many pages?", 18),
+                   ("A bus carries 40 people; 15 get off. How many stay?", 25)]
+EVAL_QUESTIONS = [("Sue bakes 9 cakes and sells 2. How many are left?", 7),
+                  ("A farm has 8 cows and 11 hens. How many animals?", 19)]
+TRAIN_REWARDS = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0]]
+EVAL_REWARDS = {"baseline": [[0, 0, 0, 0], [1, 0, 0, 0]],
+                "candidate": [[1, 0, 1, 0], [1, 1, 0, 0]]}
+MAX_NEW_TOKENS = 16
+
+
+def _version(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
+def _write_jsonl(path: Path, rows: list[tuple[str, int]]) -> None:
+    path.write_text("".join(json.dumps({"question": q, "answer": f"Work.\n#### {a}"}) + "\n"
+                            for q, a in rows), encoding="utf-8")
+
+
+def _completion(answer: int, correct: int, sample: int) -> tuple[str, int, bool]:
+    """Text, token count and budget hit; the last sample of every group hits the budget."""
+    text = f"So the total is {answer if correct else answer + 1}."
+    hit = sample == 3
+    return text, MAX_NEW_TOKENS if hit else 6 + sample, hit
+
+
+def write_synthetic_run(root: Path, **gates) -> Path:
+    """Write data and a finished run under `root`; returns the run directory."""
+    from grpogate.pipeline import load_problem_sets, rollout_evidence, update_evidence
+
+    data = root / "data"
+    data.mkdir(parents=True)
+    _write_jsonl(data / "train.jsonl", TRAIN_QUESTIONS)
+    _write_jsonl(data / "test.jsonl", EVAL_QUESTIONS)
+    run_dir = root / "run"
+    config = validate(RunConfig(
+        out=str(run_dir), label="synthetic", profile="synthetic",
+        task=TaskConfig(source="gsm8k", path=str(data)), train_prompts=4, eval_prompts=2,
+        prompts_per_step=2, group_size=4, eval_group_size=4, max_new_tokens=MAX_NEW_TOKENS,
+        gates=dataclasses.replace(Gates(), **gates)))
+    train, train_id, eval_set, eval_id = load_problem_sets(config)
+    verifier = get_verifier(config.resolved_verifier())
+    answers = {q: a for q, a in TRAIN_QUESTIONS + EVAL_QUESTIONS}
+    run_dir.mkdir()
+
+    trajectories, steps = [], []
+    for step in range(config.steps):
+        version = _version(f"step-{step}")
+        records = []
+        for offset in range(config.prompts_per_step):
+            index = step * config.prompts_per_step + offset
+            problem = train[index]
+            for sample, correct in enumerate(TRAIN_REWARDS[index]):
+                text, tokens, hit = _completion(answers[problem.question], correct, sample)
+                records.append({
+                    "step": step, "prompt_id": problem.prompt_id, "sample_index": sample,
+                    "trace_id": _version(f"train|{step}|{problem.prompt_id}|{sample}")[:24],
+                    "source_policy_version": version, "verifier_version": verifier.version,
+                    "completion": text, "completion_tokens": tokens, "hit_max_length": hit,
+                    "reward": verifier.score(text, problem.reference)})
+        summary = metrics.rollout_summary(records, config.group_size)
+        generated = sum(r["completion_tokens"] for r in records)
+        steps.append({
+            "step": step, "policy_version": version, "mean_reward": summary["mean_reward"],
+            "group_count": summary["group_count"], "valid_group_count": summary["valid_group_count"],
+            "valid_group_ratio": summary["valid_group_ratio"],
+            "max_length_hit_ratio": summary["max_length_hit_ratio"], "generated_tokens": generated,
+            "generation_tokens_per_second": generated / 1.0, "rollout_seconds": 1.0,
+            "verification_seconds": 0.01, "update_seconds": 0.5, "update_count": 1,
+            "sequences": 4, "tokens": 30 + step, "loss": [0.1], "grad_norm": [0.5 + step],
+            "mean_kl": 0.001 * (step + 1), "clip_fraction": 0.01 * step})
+        trajectories += records
+    atomic_write_bytes(run_dir / "trajectories.jsonl", jsonl_bytes(trajectories))
+    seconds = {"rollout": 2.0, "verification": 0.02, "update": 1.0, "evaluation": 3.0}
+
+    baseline_version, candidate_version = _version("baseline"), _version("candidate")
+    eval_records, summaries = [], {}
+    for name, version in (("baseline", baseline_version), ("candidate", candidate_version)):
+        records = []
+        for problem, rewards in zip(eval_set, EVAL_REWARDS[name]):
+            for sample, correct in enumerate(rewards):
+                text, tokens, hit = _completion(answers[problem.question], correct, sample)
+                records.append({
+                    "policy": name, "policy_version": version, "prompt_id": problem.prompt_id,
+                    "sample_index": sample,
+                    "trace_id": _version(f"eval-{name}|{problem.prompt_id}|{sample}")[:24],
+                    "seed": config.seed + 10_000, "verifier_version": verifier.version,
+                    "completion": text, "completion_tokens": tokens, "hit_max_length": hit,
+                    "reward": verifier.score(text, problem.reference)})
+        summaries[name] = metrics.summarize_completions(records, config.eval_group_size,
+                                                        config.max_new_tokens)
+        eval_records += records
+    baseline, candidate = summaries["baseline"], summaries["candidate"]
+    comparison = {
+        "reward_mean_gain": candidate["mean_reward"] - baseline["mean_reward"],
+        "pass_at_group_gain": candidate["pass_at_group"] - baseline["pass_at_group"],
+        "eval_group_size": config.eval_group_size, "eval_seed": config.seed + 10_000,
+        "baseline": baseline, "candidate": candidate,
+        "paired": metrics.paired_comparison(baseline, candidate, seed=config.seed)}
+
+    adapter = run_dir / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 4}\n')
+    (adapter / "adapter_model.safetensors").write_bytes(b"synthetic adapter weights")
+    adapter_sha = hashlib.sha256(b"synthetic adapter weights").hexdigest()
+    evidence = {
+        "grpogate_evidence_version": 1, "run_label": "synthetic",
+        "created": "2026-01-01T00:00:00+00:00", "status": "ok", "config": config.to_dict(),
+        "environment": {"python": "3.11", "device": "cpu"},
+        "seeds": {"run": config.seed, "rollout": [config.seed + s for s in range(config.steps)],
+                  "eval": config.seed + 10_000, "bootstrap": config.seed},
+        "inputs": {
+            "model": {"spec": "synthetic", "kind": "hf-dir", "location": "/nowhere",
+                      "sha256": _version("base"), "revision": ""},
+            "baseline_adapter": None, "baseline_manifest": None,
+            "baseline_policy_version": baseline_version,
+            "verifier": {"name": config.resolved_verifier(), "version": verifier.version},
+            "train_set": train_id, "eval_set": eval_id},
+        "contract": {"admitted": True, "failed_checks": []},
+        "rollout": rollout_evidence(trajectories, steps, seconds, config.group_size, verifier),
+        "update": update_evidence(config, steps, seconds),
+        "comparison": comparison,
+        "timings": {"load_seconds": 0.5, "rollout_seconds": seconds["rollout"],
+                    "verification_seconds": seconds["verification"],
+                    "update_seconds": seconds["update"], "evaluation_seconds": seconds["evaluation"]},
+        "resources": {"device": "cpu", "peak_allocated_bytes": 10**9, "peak_reserved_bytes": 10**9,
+                      "peak_rss_bytes": 10**9},
+        "artifact": {"path": "adapter", "sha256": adapter_sha,
+                     "source_policy_version": baseline_version,
+                     "new_policy_version": candidate_version},
+        "steps": steps,
+    }
+    gates_table = dataclasses.asdict(config.gates)
+    result = decisions.evaluate_grpo_candidate(evidence, gates_table)
+    for key in ("effective_trajectory_count", "effective_trajectories_per_second",
+                "valid_group_ratio"):
+        evidence[key] = result[key]
+    evidence["timings"]["total_seconds"] = 7.0
+    evidence["decision"] = decisions.decide_run(evidence, gates_table)
+    atomic_write_bytes(run_dir / "eval_completions.jsonl", jsonl_bytes(eval_records))
+    atomic_write_json(run_dir / "evidence.json", evidence)
+    atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))
+    return run_dir
