@@ -86,3 +86,29 @@ def test_a_negative_gain_gate_is_allowed_in_a_dry_run(invoke):
                              "--set", "eval_prompts=4")
     assert result.exit_code == 0, result.output
     assert created == []
+
+
+def test_a_gates_file_sets_gates_below_set_overrides(tmp_path):
+    from grpogate.config import load_config
+
+    toml = tmp_path / "gates.toml"
+    toml.write_text("[gates]\nminimum_valid_group_ratio = 0.3\nminimum_update_count = 2\n"
+                    "require_significant_gain = true\n")
+    config = load_config("smoke", gates_file=str(toml),
+                         overrides=["gates.minimum_update_count=5"])
+    assert config.gates.minimum_valid_group_ratio == 0.3
+    assert config.gates.minimum_update_count == 5  # --set wins over the gates file
+    assert config.gates.require_significant_gain is True
+    as_json = tmp_path / "gates.json"
+    as_json.write_text('{"gates": {"maximum_max_length_hit_ratio": 0.25}}')
+    assert load_config(gates_file=str(as_json)).gates.maximum_max_length_hit_ratio == 0.25
+
+
+def test_a_dry_run_reads_the_gates_file(invoke, tmp_path):
+    gates = tmp_path / "gates.toml"
+    gates.write_text("[gates]\nminimum_valid_group_ratio = 0.3\n")
+    result, created = invoke("run", "--dry-run", "--gates", str(gates),
+                             "--set", "train_prompts=8", "--set", "prompts_per_step=8",
+                             "--set", "eval_prompts=4")
+    assert result.exit_code == 0, result.output
+    assert created == ["gates.toml"]

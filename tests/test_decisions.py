@@ -441,5 +441,44 @@ def test_valid_group_ratio_matches_a_direct_count(reward_groups, group_size):
     assert result["valid_group_ratio"] == (valid / len(reward_groups) if reward_groups else 0.0)
 
 
+@settings(max_examples=300, deadline=None)
+@given(gates=junk | st.dictionaries(st.sampled_from(GATE_NAMES + decisions.SWITCH_GATE_NAMES),
+                                    scalars, max_size=9))
+def test_validate_gates_accepts_only_finite_gates_and_fails_only_with_input_error(gates):
+    try:
+        validated = validate_gates(gates)
+    except InputError as error:
+        assert "\n" not in str(error)  # one line for the CLI
+        return
+    assert set(GATE_NAMES) <= set(validated)
+    for name in GATE_NAMES:
+        assert isinstance(validated[name], float) and math.isfinite(validated[name])
+        assert validated[name] >= 0 or name in ("minimum_reward_gain", "minimum_pass_at_group_gain")
+    assert validate_gates(gates) == validated  # deterministic
+
+
+def test_a_skipped_retest_passes_no_quality_gate():
+    """An interrupted run records zero gains with "skipped": zeros never measured fail."""
+    evidence = reference_evidence()
+    evidence["status"] = "interrupted"
+    evidence["comparison"] = {"skipped": True, "reward_mean_gain": 0.0, "pass_at_group_gain": 0.0,
+                              "baseline": {"max_length_hit_ratio": 0.0},
+                              "candidate": {"max_length_hit_ratio": 0.0}, "paired": {}}
+    result = decide_run(evidence, GATES)
+    assert result["decision"] == "reject"
+    assert {"execution", "reward", "pass_at_group", "length_budget"} <= set(result["failed_checks"])
+    evidence["status"] = "ok"
+    assert decide_run(evidence, GATES)["decision"] == "tune"  # the quality checks still fail
+
+
+@pytest.mark.parametrize("status", ["interrupted", "non_finite_update", "update_failed",
+                                    "contract_failed", "no_effective_update"])
+def test_every_unfinished_status_is_rejected_through_execution(status):
+    evidence = reference_evidence()
+    evidence["status"] = status
+    result = decide_run(evidence, GATES)
+    assert result["decision"] == "reject" and result["failed_checks"] == ["execution"]
+
+
 def test_doctests():
     assert doctest.testmod(decisions).failed == 0

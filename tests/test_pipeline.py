@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from grpogate import decisions, pipeline
+from grpogate import decisions, pipeline, training
 from grpogate.config import load_config
 from grpogate.errors import InputError
 from grpogate.policy import load_policy
@@ -51,7 +51,7 @@ def finished(tiny_config, tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     config = tiny_config(root)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pipeline, "score_completions", alternating_rewards)
+        patch.setattr(training, "score_completions", alternating_rewards)
         evidence = pipeline.run(config)
     return config, Path(evidence["run_dir"]), evidence
 

@@ -169,8 +169,11 @@ def test_completion_logprobs_match_a_full_log_softmax(policy, prompts, temperatu
     batch_prompts = [prompts[0], prompts[1][:-5], prompts[1]]  # ragged left padding
     input_ids, attention_mask, completion_ids, mask = pack_sequences(
         batch_prompts, completions, EOS, torch.device("cpu"))
-    width = max(len(p) for p in batch_prompts)
-    assert completion_ids.shape == (3, 5) and mask.sum().item() == 11
+    # Widths are rounded up to multiples of WIDTH_BUCKET (16): 5 completion columns -> 16, and
+    # the prompt block to the next multiple of 16 above the longest prompt.
+    width = input_ids.shape[1] - completion_ids.shape[1]
+    assert width % 16 == 0 and width >= max(len(p) for p in batch_prompts)
+    assert completion_ids.shape == (3, 16) and mask.sum().item() == 11
     with torch.no_grad():
         fast = completion_logprobs(policy.model, input_ids, attention_mask, completion_ids,
                                    temperature, chunk=2)

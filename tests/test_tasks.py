@@ -253,7 +253,7 @@ BAD_INPUTS = [
     ("train-eval-overlap", _overlap,
      ["share 1 prompt(s)", prompt_id("B?"), "train.jsonl:2", "test.jsonl:2"]),
     ("unknown-reasoning-gym-task", lambda t: load_reasoning_gym("no_such_task", {}, 4, seed=1),
-     ["'no_such_task'", "not registered"]),
+     ["task.name: unknown reasoning-gym dataset 'no_such_task'"]),
     ("bad-reasoning-gym-param", lambda t: load_reasoning_gym("chain_sum", {"bogus": 1}, 4, seed=1),
      ["'chain_sum'", "bogus"]),
     ("tiny-reasoning-gym-space", lambda t: load_reasoning_gym("chain_sum", TINY_CHAIN_SUM, 500, seed=1),

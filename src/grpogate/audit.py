@@ -301,6 +301,15 @@ def check_retest(audit: Audit, evidence: dict, eval_records: list[dict],
                  eval_prompt_ids: list[str] | None) -> None:
     """Re-reduce the stored re-test completions to metrics, gains and paired statistics."""
     config, comparison = evidence["config"], evidence.get("comparison") or {}
+    if comparison.get("skipped") is True:
+        # A run stopped before its re-test records zeros; they are only honest if the run
+        # says it did not finish and no re-test completion exists.
+        if evidence.get("status") == "ok":
+            audit.mismatch("comparison.skipped (a run with status ok must have a re-test)", True)
+        if eval_records:
+            audit.mismatch("eval_completions.jsonl (records of a skipped re-test)",
+                           len(eval_records), 0)
+        return
     summaries = {}
     for name in ("baseline", "candidate"):
         records = [r for r in eval_records if r.get("policy") == name]

@@ -1,7 +1,8 @@
 """The command line: parse, call the pipeline, print. No pipeline logic lives here.
 
 Exit codes: 0 the run finished and wrote its decision (whatever it is, unless
---exit-code-from-decision), 2 bad input (nothing written), 1 an unexpected failure.
+--exit-code-from-decision), 2 bad input (nothing written), 1 an unexpected failure,
+130 / 143 a run stopped by SIGINT / SIGTERM (evidence written with status `interrupted`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -49,7 +51,8 @@ def main() -> None:
 
 
 def _fail(error: Exception) -> None:
-    console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+    # escape: a message quoting "[gates]" or a path with brackets is text, not rich markup.
+    console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -67,8 +70,11 @@ def gates_table(decision: dict) -> Table:
 
 @app.command()
 def run(
-    profile: str = typer.Option("default", help="Packaged profile: default, smoke, gsm8k_qwen05b."),
+    profile: Optional[str] = typer.Option(None, help="Packaged profile: default, smoke, "
+                                          "gsm8k_qwen05b (default: default)."),
     config_file: str = typer.Option("", "--config", help="TOML file applied on top of the profile."),
+    gates_file: str = typer.Option("", "--gates", help="TOML or JSON file with a [gates] table "
+                                   "applied on top of --config."),
     overrides: list[str] = typer.Option([], "--set", help="key=value override, e.g. task.params.max_digits=3."),
     out: Optional[str] = typer.Option(None, help="Run directory (must not exist)."),
     label: Optional[str] = typer.Option(None, help="Run label: outputs go to runs/<label>."),
@@ -79,16 +85,26 @@ def run(
     device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or auto."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check config, inputs and environment only."),
+    resume: Optional[str] = typer.Option(
+        None, "--resume", help="Continue the run in this directory from its last checkpoint, "
+        "with its stored config (other options may only repeat it)."),
     exit_code_from_decision: bool = typer.Option(
         False, help="Exit 0 on accept, 3 on tune, 4 on reject."),
 ) -> None:
     """Run admission, rollout, GRPO update, independent re-test and delivery."""
     from grpogate import pipeline
+    from grpogate.interrupts import RunInterrupted, exit_code
 
+    named = dict(model=model, adapter=adapter, baseline_manifest=baseline_manifest, seed=seed,
+                 device=device, dtype=dtype)
+    config = None
     try:
-        config = load_config(profile, config_file, overrides, out=out, label=label, model=model,
-                             adapter=adapter, baseline_manifest=baseline_manifest, seed=seed,
-                             device=device, dtype=dtype)
+        if resume is not None:
+            config = _resume_config(resume, out, label, dry_run, profile, config_file, gates_file,
+                                    overrides, named)
+        else:
+            config = load_config(profile or "default", config_file, overrides,
+                                 gates_file=gates_file, out=out, label=label, **named)
         if dry_run:
             report = pipeline.dry_run(config)
             console.print_json(json.dumps(report))
@@ -97,22 +113,62 @@ def run(
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn())
         with Progress(*columns, console=console, transient=False) as progress:
-            evidence = pipeline.run(config, RichReporter(progress))
+            if resume is not None:
+                evidence = pipeline.resume(resume, config, RichReporter(progress))
+            else:
+                evidence = pipeline.run(config, RichReporter(progress))
     except InputError as error:
         _fail(error)
+    except RunInterrupted as interrupted:
+        console.print(f"[bold red]{escape(str(interrupted))}")
+        raise typer.Exit(exit_code(interrupted.signal_name))
+    except KeyboardInterrupt:  # a second signal: stopped at once, mid-step
+        if config is None:
+            raise
+        run_dir = resume or config.out or f"runs/{config.label}"
+        console.print(f"[bold red]stopped at once;[/] continue from the last checkpoint with "
+                      f"`grpogate run --resume {escape(run_dir)}`", soft_wrap=True)
+        raise typer.Exit(130)
     decision = evidence["decision"]
     console.print(gates_table(decision))
     comparison = evidence["comparison"]
-    console.print(
-        f"re-test mean reward {comparison['baseline']['mean_reward']:.4f} -> "
-        f"{comparison['candidate']['mean_reward']:.4f}, pass@group "
-        f"{comparison['baseline']['pass_at_group']:.4f} -> {comparison['candidate']['pass_at_group']:.4f}")
+    if comparison.get("skipped"):
+        console.print("re-test skipped: the run stopped before it")
+    else:
+        console.print(
+            f"re-test mean reward {comparison['baseline']['mean_reward']:.4f} -> "
+            f"{comparison['candidate']['mean_reward']:.4f}, pass@group "
+            f"{comparison['baseline']['pass_at_group']:.4f} -> "
+            f"{comparison['candidate']['pass_at_group']:.4f}")
     style = DECISION_STYLE[decision["decision"]]
     failed = ", ".join(decision["failed_checks"]) or "none"
     console.print(f"decision: [{style}]{decision['decision']}[/] (failed checks: {failed})")
     console.print(f"evidence: {evidence['run_dir']}/manifest.json")
+    if evidence["interruption"]:
+        stopped = evidence["interruption"]
+        console.print(f"[bold red]interrupted by {stopped['signal']}[/] {stopped['safe_point']} "
+                      f"after {stopped['completed_steps']} finished step(s)")
+        raise typer.Exit(exit_code(stopped["signal"]))
+    if evidence["failure"]:
+        console.print(f"[bold red]{evidence['status']}[/] at step {evidence['failure']['step']}: "
+                      f"{escape(evidence['failure']['message'])}", soft_wrap=True)
     if exit_code_from_decision:
         raise typer.Exit(DECISION_EXIT_CODES[decision["decision"]])
+
+
+def _resume_config(run_dir: str, out, label, dry_run: bool, profile, config_file: str,
+                   gates_file: str, overrides: list[str], named: dict):
+    """The stored config of the run in `run_dir`; the other options may only repeat it."""
+    from grpogate.checkpoint import checkpoint_to_resume
+    from grpogate.config import resume_config
+
+    if out is not None or label is not None:
+        raise InputError("--resume takes the run directory itself; do not pass --out or --label")
+    if dry_run:
+        raise InputError("--resume and --dry-run cannot be combined")
+    checkpoint = checkpoint_to_resume(run_dir)
+    return resume_config(checkpoint.state.get("config"), str(checkpoint.directory / "state.json"),
+                         profile, config_file, overrides, gates_file, **named)
 
 
 @app.command()

@@ -8,6 +8,7 @@ CLI's named flags. `validate()` checks every invariant up front and says how to 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -19,9 +20,12 @@ from grpogate.errors import InputError
 
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"
 
+# Chosen (before any training run) so that the bundled SmolLM2 baseline lands inside the
+# 10-60 % band where GRPO has signal: measured on the 48 default eval prompts x 4 samples,
+# the bare instruction at temperature 1.0 scored 0.089; this prompt at 0.7 scored 0.25.
 CHAIN_SUM_SYSTEM_PROMPT = (
-    "You are a careful calculator. Solve the problem and end your reply with a line of the form "
-    "'Answer: <number>'."
+    "You are a careful calculator. Reply with the result only, on one line of the form "
+    "'Answer: <number>'. Example: for '2 + 3 =' reply 'Answer: 5'."
 )
 GSM8K_SYSTEM_PROMPT = (
     "Solve the math word problem step by step. End your reply with the final numeric answer "
@@ -74,7 +78,9 @@ class RunConfig:
     adapter: str = ""  # optional baseline LoRA adapter (PEFT directory)
     baseline_manifest: str = ""  # alternative to model/adapter: a manifest JSON with decision accept
     cache_dir: str = ""  # dequantized GGUF cache; empty -> $GRPOGATE_CACHE or ~/.cache/grpogate
-    dtype: str = "float32"  # "float32" | "bfloat16" | "auto" (bf16 on CUDA, fp32 on CPU)
+    # "auto": bfloat16 base weights where the hardware computes bf16 natively (CUDA, avx512_bf16),
+    # else float32. LoRA weights and the loss stay float32 either way.
+    dtype: str = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
 
     # Problems and verifier
@@ -90,7 +96,7 @@ class RunConfig:
     prompts_per_step: int = 8
     max_prompt_tokens: int = 192
     max_new_tokens: int = 48
-    temperature: float = 1.0
+    temperature: float = 0.7
     top_p: float = 1.0
     generation_batch_size: int = 64
 
@@ -208,6 +214,41 @@ def _read_toml(path: str) -> dict:
         raise InputError(f"{path}: not valid TOML: {error}") from None
 
 
+def _read_gates_file(path: str) -> dict:
+    """A gates file: TOML (or JSON, by its .json suffix) holding a [gates] table."""
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"{path}: no such gates file")
+    if file.suffix == ".json":
+        try:
+            document = json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise InputError(f"{path}: not valid JSON: {error}") from None
+    else:
+        document = _read_toml(path)
+    table = document.get("gates") if isinstance(document, dict) else None
+    if not isinstance(table, dict) or set(document) != {"gates"}:
+        raise InputError(f"{path}: a gates file holds exactly one table, [gates] "
+                         "(JSON: {\"gates\": {...}})")
+    from grpogate.decisions import GATE_NAMES, SWITCH_GATE_NAMES
+
+    for name in table:
+        if name not in GATE_NAMES + SWITCH_GATE_NAMES:
+            raise InputError(f"{path}: unknown gate {name!r} in [gates]; known gates: "
+                             f"{', '.join(GATE_NAMES + SWITCH_GATE_NAMES)}")
+    return table
+
+
+def _check_gates(config: RunConfig, where: str) -> None:
+    """Validate the gates right after a source set them, so the error names that source."""
+    from grpogate.decisions import validate_gates
+
+    try:
+        validate_gates(dataclasses.asdict(config.gates))
+    except InputError as error:
+        raise InputError(f"{where}: {error}") from None
+
+
 def _apply(target: Any, table: dict, where: str) -> None:
     """Copy a (nested) table onto a dataclass, rejecting unknown keys and wrong types."""
     known = {f.name: f for f in fields(target)}
@@ -232,6 +273,8 @@ def _coerce(current: Any, value: Any, where: str) -> Any:
     elif isinstance(current, int) and not isinstance(value, bool):
         if isinstance(value, int):
             return value
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InputError(f"{where}: must be a finite number, got {value!r}")
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, str):
@@ -267,13 +310,26 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def load_config(profile: str = "default", config_file: str = "", overrides: list[str] = (),
-                **named: Any) -> RunConfig:
+                gates_file: str = "", **named: Any) -> RunConfig:
     """Build and validate a RunConfig. `named` holds CLI flags (None = not given)."""
     config = RunConfig()
     _apply(config, _profile_table(profile), f"profile {profile}")
     config.profile = profile
+    _apply_sources(config, config_file, gates_file, overrides, named)
+    return validate(config)
+
+
+def _apply_sources(config: RunConfig, config_file: str, gates_file: str, overrides,
+                   named: dict) -> None:
+    """Apply, in precedence order: the config file, the gates file, --set overrides, flags."""
     if config_file:
-        _apply(config, _read_toml(config_file), config_file)
+        table = _read_toml(config_file)
+        _apply(config, table, config_file)
+        if "gates" in table:
+            _check_gates(config, config_file)
+    if gates_file:
+        _apply(config.gates, _read_gates_file(gates_file), f"{gates_file} [gates]")
+        _check_gates(config, gates_file)
     for text in overrides:
         keys, value = parse_override(text)
         table: dict = {}
@@ -286,5 +342,40 @@ def load_config(profile: str = "default", config_file: str = "", overrides: list
             config.task.params = {**config.task.params, keys[2]: value}
             continue
         _apply(config, table, f"--set {text}")
+        if keys[0] == "gates":
+            _check_gates(config, f"--set {text}")
     _apply(config, {k: v for k, v in named.items() if v is not None}, "command line")
+
+
+def _flatten(table: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in table.items():
+        if isinstance(value, dict) and key != "params":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def resume_config(stored: dict, where: str, profile: str | None = None, config_file: str = "",
+                  overrides: list[str] = (), gates_file: str = "", **named: Any) -> RunConfig:
+    """The stored config of a run being resumed. A resumed run must use the identical config:
+    options given with --resume may repeat stored values but never change one."""
+    if not isinstance(stored, dict):
+        raise InputError(f"{where}: field \"config\" is not a table")
+    config = RunConfig()
+    _apply(config, stored, f"{where} config")
+    validate(config)
+    before = _flatten(config.to_dict())
+    if profile is not None and profile != config.profile:
+        raise InputError(f"--profile {profile}: the run was started with profile "
+                         f"{config.profile!r}; a resumed run uses its stored config unchanged")
+    _apply_sources(config, config_file, gates_file, overrides, named)
+    after = _flatten(config.to_dict())
+    changed = [f"{key} (stored {before[key]!r}, given {after[key]!r})"
+               for key in before if before[key] != after[key]]
+    if changed:
+        raise InputError(f"--resume: the options change the run's stored config: "
+                         f"{'; '.join(changed)}. A resumed run uses its stored config unchanged; "
+                         "start a new run (new --label) to change it")
     return validate(config)

@@ -170,9 +170,18 @@ def _stage_seconds(rollout: Any, update: Any) -> float | None:
     return float(sum(float(part) for part in seconds))
 
 
+def _retest_skipped(evidence: Any) -> bool:
+    """An interrupted run records a skipped re-test as zeros with `"skipped": true`; zeros that
+    were never measured must not pass a quality gate."""
+    return _get(evidence, "comparison", "skipped") is True
+
+
 def _gain(evidence: Any, gates: Any, name: str) -> Any:
     """The point estimate of a re-test gain, or its bootstrap lower bound when the gates
-    require a significant gain (missing paired statistics then fail the check)."""
+    require a significant gain (missing paired statistics then fail the check); None when the
+    re-test was skipped."""
+    if _retest_skipped(evidence):
+        return None
     if _get(gates, "require_significant_gain") is True:
         return _get(evidence, "comparison", "paired", name, "low")
     return _get(evidence, "comparison", name)
@@ -272,7 +281,8 @@ def run_checks(evidence: Any, gates: Any) -> list[dict[str, Any]]:
     _, candidate_rows = _candidate_checks(evidence, gates)
     # Eval-time truncation: a gain measured on cut-off answers is not a gain, so the worse of
     # the two policies' fresh-completion hit ratios must fit the same budget.
-    eval_ratios = [_number(_get(evidence, "comparison", policy, "max_length_hit_ratio"))
+    eval_ratios = [None if _retest_skipped(evidence) else
+                   _number(_get(evidence, "comparison", policy, "max_length_hit_ratio"))
                    for policy in ("baseline", "candidate")]
     length_budget = _gate_row("length_budget", None if None in eval_ratios else max(eval_ratios),
                               gates, "maximum_max_length_hit_ratio")

@@ -1,17 +1,21 @@
 """Evidence as files: atomic writes, the trajectories log, library versions, the manifest.
 
 Every JSON file is written to a temporary name, fsynced and renamed, so a reader never sees a
-half-written file. The manifest is written last: its existence means the run completed. A
-manifest is also a valid baseline for the next run (`--baseline-manifest`), which is why its
-adapter path is relative and may not escape the manifest's directory.
+half-written file; directories (the adapter, checkpoints) are staged and renamed the same way.
+The manifest is written last: its existence means the run completed. A manifest is also a valid
+baseline for the next run (`--baseline-manifest`), which is why its adapter path is relative
+and may not escape the manifest's directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
+import secrets
+import shutil
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -46,11 +50,46 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    directory = os.open(path.parent, os.O_RDONLY)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(path: str | Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(directory)
+        os.fsync(descriptor)
     finally:
-        os.close(directory)
+        os.close(descriptor)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path):
+    """Yield a staging directory beside `path`; on success fsync its files and rename it to
+    `path` (replacing a copy a killed attempt left there), so `path` is never half-written."""
+    path = Path(path)
+    staging = path.parent / f".{path.name}.{secrets.token_hex(6)}"
+    staging.mkdir(mode=0o777)  # mkdtemp would make it 0700; this honours the umask like mkdir
+    try:
+        yield staging
+        for file in staging.iterdir():
+            with open(file, "rb") as stream:
+                os.fsync(stream.fileno())
+        fsync_directory(staging)
+        if path.exists():
+            shutil.rmtree(path)
+        staging.rename(path)
+        fsync_directory(path.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def remove_staging(directory: str | Path) -> None:
+    """Delete the hidden temporaries (".name.XXXX") that a killed writer left in `directory`."""
+    for leftover in Path(directory).glob(".*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
 
 
 def to_json(document) -> str:
@@ -67,11 +106,16 @@ def jsonl_bytes(records: list[dict]) -> bytes:
 
 
 class JsonlLog:
-    """Append-only JSONL whose lines reach the disk (fsync) at every `append` call."""
+    """Append-only JSONL whose lines reach the disk (fsync) at every `append` call.
 
-    def __init__(self, path: Path):
+    `append` returns the byte offset after the new lines; a checkpoint records it, and
+    `truncate` cuts the file back to it (lines of a step that was never checkpointed).
+    """
+
+    def __init__(self, path: Path, *, existing: bool = False):
         self.path = path
-        self.path.touch(exist_ok=False)
+        if not existing:
+            self.path.touch(exist_ok=False)
 
     def append(self, records: list[dict]) -> int:
         with open(self.path, "ab") as stream:
@@ -79,6 +123,16 @@ class JsonlLog:
             stream.flush()
             os.fsync(stream.fileno())
             return stream.tell()
+
+    def truncate(self, offset: int) -> None:
+        size = self.path.stat().st_size
+        if size < offset:
+            raise InputError(f"{self.path}: {size} bytes, shorter than the recorded offset "
+                             f"{offset}; the file was modified after the checkpoint")
+        with open(self.path, "r+b") as stream:
+            stream.truncate(offset)
+            stream.flush()
+            os.fsync(stream.fileno())
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

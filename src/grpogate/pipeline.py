@@ -3,12 +3,18 @@
 Each stage takes plain data from the one before. Stage seconds are measured separately
 (rollout = generation, verification = scoring, update, evaluation) and memory is read at the
 end. Nothing is written before admission passes; the manifest is written last.
+
+The rollout / update loop (training.py) checkpoints after every step; `resume` continues a
+killed run from its last checkpoint with the run's stored config and finishes it normally.
+SIGINT / SIGTERM stop a run at the next safe point: the evidence then says `interrupted`, the
+re-test is skipped (its fields zero and flagged), and the decision is `reject`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import resource
 import time
 from dataclasses import dataclass
@@ -18,20 +24,22 @@ from pathlib import Path
 import torch
 
 from grpogate import decisions, metrics
-from grpogate.config import RunConfig
+from grpogate.checkpoint import (CHECKPOINTS, Checkpoint, checkpoint_to_resume,
+                                 remove_checkpoints, restore_training_state, save_checkpoint)
+from grpogate.config import RunConfig, resume_config
 from grpogate.errors import InputError
 from grpogate.evaluate import evaluate_policy
-from grpogate.evidence import (JsonlLog, atomic_write_bytes, atomic_write_json, build_manifest,
-                               create_run_dir, jsonl_bytes, library_versions,
-                               read_baseline_manifest, sha256_path)
-from grpogate.policy import (Policy, current_version, load_policy, reference_mode,
+from grpogate.evidence import (JsonlLog, atomic_directory, atomic_write_bytes, atomic_write_json,
+                               build_manifest, create_run_dir, jsonl_bytes, library_versions,
+                               read_baseline_manifest, read_jsonl, remove_staging)
+from grpogate.interrupts import RunInterrupted, StopRequest, stop_on_signals
+from grpogate.policy import (Policy, current_version, load_policy, sampling_weights,
                              resolve_base_model, default_cache_dir, check_adapter_dir,
                              save_adapter, sha256_file, trainable_parameters)
-from grpogate.rollout import (SamplingSettings, contract_groups, encode_prompts,
-                              generate_completions, score_completions, trajectory_records)
+from grpogate.rollout import encode_prompts
 from grpogate.tasks import (Problem, check_isolation, check_problem_set, load_gsm8k,
                             load_reasoning_gym, problem_set_hash)
-from grpogate.update import NonFiniteUpdate, UpdateSettings, build_update_batch, grpo_update
+from grpogate.training import TrainingProgress, sampling_settings, train, trainable_tensors
 from grpogate.verifiers import get_verifier
 
 
@@ -89,10 +97,13 @@ def load_problem_sets(config: RunConfig) -> tuple[list[Problem], dict, list[Prob
     return train, train_id, eval_set, eval_id
 
 
-def admit(config: RunConfig) -> Admission:
-    """Check config, inputs and environment; raises InputError before anything is written."""
-    run_dir = run_dir_for(config)
-    if run_dir.exists():
+def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:
+    """Check config, inputs and environment; raises InputError before anything is written.
+
+    A new run refuses an existing output path; a resumed run (`resume_dir`) reuses its own.
+    """
+    run_dir = resume_dir or run_dir_for(config)
+    if resume_dir is None and run_dir.exists():
         raise InputError(f"{run_dir}: output already exists; choose a new run label (--label) or --out")
     model_spec, revision, adapter = config.model, config.model_revision, config.adapter
     if config.baseline_manifest:
@@ -100,11 +111,12 @@ def admit(config: RunConfig) -> Admission:
         model_spec, revision, adapter = baseline["model"], baseline["revision"], baseline["adapter"]
     if adapter:
         check_adapter_dir(adapter)
+    # Problems before the verifier: an unknown task name is then reported as the task's error.
+    train, train_id, eval_set, eval_id = load_problem_sets(config)
     try:
         verifier = get_verifier(config.resolved_verifier())
     except ValueError as error:
         raise InputError(f"verifier: {error}") from None
-    train, train_id, eval_set, eval_id = load_problem_sets(config)
     return Admission(config, run_dir, model_spec, revision, adapter, verifier, train, eval_set,
                      train_id, eval_id)
 
@@ -133,103 +145,14 @@ def peak_memory(device: torch.device) -> dict:
             "peak_rss_bytes": rss}
 
 
-def sampling_settings(config: RunConfig) -> SamplingSettings:
-    return SamplingSettings(config.max_new_tokens, config.temperature, config.top_p,
-                            config.generation_batch_size)
-
-
-def update_settings(config: RunConfig) -> UpdateSettings:
-    return UpdateSettings(config.clip_epsilon, config.kl_coef, config.max_grad_norm,
-                          config.micro_batch_size, config.groups_per_update,
-                          config.loss_aggregation, config.temperature)
-
-
-def train(policy: Policy, admission: Admission, log: JsonlLog, reporter) -> dict:
-    """The rollout / reward / update loop. Returns the per-step records and the totals."""
-    config = admission.config
-    verifier = admission.verifier
-    prompts = encode_prompts(policy.tokenizer, admission.train, config.resolved_system_prompt(),
-                             config.max_prompt_tokens)
-    parameters = trainable_parameters(policy)
-    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate,
-                                  weight_decay=config.weight_decay)
-    settings, update = sampling_settings(config), update_settings(config)
-    steps, trajectories, status = [], [], "ok"
-    seconds = {"rollout": 0.0, "verification": 0.0, "update": 0.0}
-    contract = {"admitted": True, "failed_checks": []}
-    for step in range(config.steps):
-        begin = step * config.prompts_per_step
-        problems = admission.train[begin:begin + config.prompts_per_step]
-        version = current_version(policy)
-        started = time.perf_counter()
-        with reporter.task(f"step {step + 1}/{config.steps} rollout",
-                           len(problems) * config.group_size) as advance:
-            completions = generate_completions(policy.model, policy.tokenizer,
-                                               prompts[begin:begin + len(problems)],
-                                               config.group_size, settings, config.seed + step,
-                                               advance)
-        rollout_seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        rewards = score_completions(completions, problems, verifier)
-        verification_seconds = time.perf_counter() - started
-        # Counted before any check can stop the loop: an aborted step still paid its cost.
-        seconds["rollout"] += rollout_seconds
-        seconds["verification"] += verification_seconds
-        records = trajectory_records(completions, rewards, problems, run_id=str(admission.run_dir),
-                                     step=step, policy_version=version,
-                                     verifier_version=verifier.version)
-        log.append(records)
-        trajectories.extend(records)
-        step_contract = decisions.check_rollout_contract(
-            contract_groups(records), version, verifier.version, config.group_size)
-        if not step_contract["admitted"]:
-            contract = {"admitted": False, "failed_checks": step_contract["failed_checks"],
-                        "step": step}
-            status = "contract_failed"
-            break
-        batch = build_update_batch([c.prompt_token_ids for c in completions],
-                                   [c.completion_token_ids for c in completions], rewards,
-                                   config.group_size)
-        started = time.perf_counter()
-        try:
-            with reporter.task(f"step {step + 1}/{config.steps} update", len(batch)) as advance:
-                record = grpo_update(policy.model, optimizer, batch, update,
-                                     policy.tokenizer.pad_token_id,
-                                     lambda: reference_mode(policy), parameters, advance)
-        except NonFiniteUpdate as error:
-            seconds["update"] += time.perf_counter() - started
-            reporter.log(f"[red]{error}: stopping; the last good adapter is kept")
-            status = "non_finite_update"
-            break
-        update_seconds = time.perf_counter() - started
-        generated = sum(len(c.completion_token_ids) for c in completions)
-        step_summary = metrics.rollout_summary(records, config.group_size)
-        steps.append({
-            "step": step, "policy_version": version, "mean_reward": step_summary["mean_reward"],
-            "group_count": step_summary["group_count"],
-            "valid_group_count": step_summary["valid_group_count"],
-            "valid_group_ratio": step_summary["valid_group_ratio"],
-            "max_length_hit_ratio": step_summary["max_length_hit_ratio"],
-            "generated_tokens": generated,
-            "generation_tokens_per_second": generated / rollout_seconds if rollout_seconds else 0.0,
-            "rollout_seconds": rollout_seconds, "verification_seconds": verification_seconds,
-            "update_seconds": update_seconds, **record.summary()})
-        seconds["update"] += update_seconds
-        reporter.log(f"step {step + 1}/{config.steps}: reward {step_summary['mean_reward']:.3f}, "
-                     f"valid groups {step_summary['valid_group_count']}/{step_summary['group_count']}, "
-                     f"updates {record.update_count}, kl {record.summary()['mean_kl']:.4f}")
-    return {"steps": steps, "trajectories": trajectories, "status": status, "contract": contract,
-            "seconds": seconds}
-
-
 def rollout_evidence(trajectories: list[dict], steps: list[dict], seconds: dict, group_size: int,
-                     verifier) -> dict:
+                     verifier_errors: int) -> dict:
     summary = metrics.rollout_summary(trajectories, group_size)
     generated = sum(s["generated_tokens"] for s in steps)
     return {"group_size": group_size, **summary, "rollout_seconds": seconds["rollout"],
             "verification_seconds": seconds["verification"], "generated_tokens": generated,
             "generation_tokens_per_second": generated / seconds["rollout"] if seconds["rollout"] else 0.0,
-            "verifier_errors": getattr(verifier, "error_count", 0)}
+            "verifier_errors": verifier_errors}
 
 
 def update_evidence(config: RunConfig, steps: list[dict], seconds: dict) -> dict:
@@ -246,16 +169,19 @@ def update_evidence(config: RunConfig, steps: list[dict], seconds: dict) -> dict
     }
 
 
-def retest(policy: Policy, admission: Admission, baseline_version: str, candidate_version: str,
-           reporter) -> tuple[list[dict], dict]:
-    """Fresh completions of both policies on the eval prompts, same seed, paired comparison."""
+def retest(policy: Policy, admission: Admission, prompts: list[list[int]], baseline_version: str,
+           candidate_version: str, reporter, stop: StopRequest) -> tuple[list[dict], dict] | None:
+    """Fresh completions of both policies on the encoded eval prompts, same seed, paired
+    comparison. None when a stop was requested before either policy's pass (a safe point)."""
     config = admission.config
-    prompts = encode_prompts(policy.tokenizer, admission.eval, config.resolved_system_prompt(),
-                             config.max_prompt_tokens)
     settings = sampling_settings(config)
     records = {}
-    for name, version, mode in (("baseline", baseline_version, lambda: reference_mode(policy)),
-                                ("candidate", candidate_version, contextlib.nullcontext)):
+    errors_before = admission.verifier.error_count
+    for name, version, mode in (
+            ("baseline", baseline_version, lambda: sampling_weights(policy, baseline=True)),
+            ("candidate", candidate_version, lambda: sampling_weights(policy))):
+        if stop.requested:
+            return None
         with reporter.task(f"re-test {name}", len(prompts) * config.eval_group_size) as advance:
             records[name] = evaluate_policy(
                 policy.model, policy.tokenizer, admission.eval, prompts, policy_name=name,
@@ -272,47 +198,159 @@ def retest(policy: Policy, admission: Admission, baseline_version: str, candidat
         "pass_at_group_gain": candidate["pass_at_group"] - baseline["pass_at_group"],
         "eval_group_size": config.eval_group_size, "eval_seed": config.seed + 10_000,
         "baseline": baseline, "candidate": candidate, "paired": paired,
+        "verifier_errors": admission.verifier.error_count - errors_before,
     }
     return records["baseline"] + records["candidate"], comparison
 
 
+def skipped_comparison(config: RunConfig) -> dict:
+    """The comparison of a run stopped before its re-test: every field present, zero, and
+    flagged, so readers and `decisions.decide_run` work (which fails the quality checks)."""
+    empty = {"prompt_count": 0, "completion_count": 0, "mean_reward": 0.0, "pass_at_group": 0.0,
+             "max_length_hit_ratio": 0.0, "length": metrics.length_summary([]),
+             "length_histogram": None, "per_prompt": []}
+    return {"skipped": True, "reward_mean_gain": 0.0, "pass_at_group_gain": 0.0,
+            "eval_group_size": config.eval_group_size, "eval_seed": config.seed + 10_000,
+            "baseline": dict(empty), "candidate": dict(empty), "paired": {},
+            "verifier_errors": 0}
+
+
+def deliver_adapter(policy: Policy, run_dir: Path) -> str:
+    """Write adapter/ through a staging directory and a rename; returns the weights' sha256."""
+    with atomic_directory(run_dir / "adapter") as staging:
+        adapter_sha = save_adapter(policy, staging)
+        # PEFT writes target_modules from a set, in an order that changes with the process's
+        # string-hash seed; sorted, the same run gives the same file (and manifest) every time.
+        config_file = staging / "adapter_config.json"
+        adapter_config = json.loads(config_file.read_text(encoding="utf-8"))
+        if isinstance(adapter_config.get("target_modules"), list):
+            adapter_config["target_modules"] = sorted(adapter_config["target_modules"])
+            config_file.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n",
+                                   encoding="utf-8")
+    return adapter_sha
+
+
+def input_identity(admission: Admission, policy: Policy) -> dict:
+    """What a resumed run must find unchanged: problem sets, verifier, base model, baseline."""
+    return {"train_set": admission.train_identity, "eval_set": admission.eval_identity,
+            "verifier_version": admission.verifier.version, "model_sha256": policy.base.sha256,
+            "baseline_policy_version": policy.baseline_version}
+
+
 def run(config: RunConfig, reporter=None) -> dict:
-    """Run every stage; returns the evidence dict (also on disk with the manifest)."""
-    reporter = reporter or NullReporter()
+    """Run every stage; returns the evidence dict (also on disk with the manifest).
+
+    SIGINT / SIGTERM stop the run at the next safe point with status `interrupted`."""
+    with stop_on_signals() as stop:
+        return _execute(admit(config), reporter or NullReporter(), stop, None)
+
+
+def resume(run_dir: str | Path, config: RunConfig | None = None, reporter=None) -> dict:
+    """Continue a killed run from its last complete checkpoint and finish it normally.
+
+    `config` defaults to the run's stored config; when given it must be identical to it."""
+    run_dir = Path(run_dir)
+    with stop_on_signals() as stop:
+        checkpoint = checkpoint_to_resume(run_dir)
+        where = str(checkpoint.directory / "state.json")
+        stored = resume_config(checkpoint.state.get("config"), where)
+        if config is not None and config.to_dict() != stored.to_dict():
+            raise InputError(f"{where}: the given config differs from the run's stored config; "
+                             "a resumed run uses its stored config unchanged")
+        return _execute(admit(stored, resume_dir=run_dir), reporter or NullReporter(), stop,
+                        checkpoint)
+
+
+def _execute(admission: Admission, reporter, stop: StopRequest,
+             resumed: Checkpoint | None) -> dict:
+    config = admission.config
     started_run = time.perf_counter()
-    admission = admit(config)
-    started = time.perf_counter()
     policy = load_policy(dataclasses.replace(config, model=admission.model_spec,
                                              model_revision=admission.model_revision),
                          adapter=admission.adapter, seed=config.seed)
-    load_seconds = time.perf_counter() - started
+    load_seconds = time.perf_counter() - started_run
     if policy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(policy.device)
-    run_dir = create_run_dir(admission.run_dir)
+    # Encoded before anything is written: a prompt over max_prompt_tokens is bad input, and an
+    # eval prompt must not fail only after hours of training.
+    train_prompts, eval_prompts = (
+        encode_prompts(policy.tokenizer, problems, config.resolved_system_prompt(),
+                       config.max_prompt_tokens) for problems in (admission.train, admission.eval))
+    inputs = input_identity(admission, policy)
+    trainable = trainable_tensors(policy)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=config.learning_rate,
+                                  weight_decay=config.weight_decay)
+    if stop.requested:  # nothing written or changed yet: stopping here leaves no trace
+        raise RunInterrupted(stop.signal_name)
+    if resumed is None:
+        run_label = config.label or admission.run_dir.name
+        run_dir = create_run_dir(admission.run_dir)
+        log = JsonlLog(run_dir / "trajectories.jsonl")
+        progress = TrainingProgress(micro_batch_size=config.micro_batch_size)
+        resumes, earlier_seconds = [], 0.0
+    else:
+        state, run_dir = resumed.state, admission.run_dir
+        changed = [key for key in inputs if json_roundtrip(inputs[key]) != state["inputs"].get(key)]
+        if changed:
+            raise InputError(f"{resumed.directory}/state.json: the run's inputs changed since it "
+                             f"started ({', '.join(changed)}); it cannot be resumed")
+        restore_training_state(resumed, trainable, optimizer)
+        # Lines written after the checkpoint belong to a step that never finished: drop them.
+        log = JsonlLog(run_dir / "trajectories.jsonl", existing=True)
+        log.truncate(state["trajectories_offset"])
+        remove_staging(run_dir)
+        remove_staging(run_dir / CHECKPOINTS)
+        progress = TrainingProgress.from_state(state, read_jsonl(log.path))
+        run_label = state["run_label"]
+        resumes = state["resumes"] + [{"from_step": progress.next_step,
+                                       "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}]
+        earlier_seconds = state["elapsed_seconds"]
+        reporter.log(f"resuming {run_dir} at step {progress.next_step + 1}/{config.steps}")
     reporter.log(f"run directory: {run_dir}")
-    log = JsonlLog(run_dir / "trajectories.jsonl")
-    trained = train(policy, admission, log, reporter)
-    steps, trajectories, seconds = trained["steps"], trained["trajectories"], trained["seconds"]
 
-    adapter_sha = save_adapter(policy, run_dir / "adapter")
+    def save_checkpoint_of(progress: TrainingProgress) -> None:
+        elapsed = earlier_seconds + time.perf_counter() - started_run
+        save_checkpoint(run_dir, {"config": config.to_dict(), "run_label": run_label,
+                                  "inputs": inputs, "resumes": resumes,
+                                  "elapsed_seconds": elapsed, **progress.state()},
+                        trainable, optimizer)
+
+    train(policy, admission, train_prompts, log, reporter, run_label=run_label, progress=progress,
+          optimizer=optimizer, stop=stop, save_checkpoint_of=save_checkpoint_of)
+    steps, trajectories, seconds = progress.steps, progress.trajectories, progress.seconds
+
+    adapter_sha = deliver_adapter(policy, run_dir)
     candidate_version = current_version(policy)
     started = time.perf_counter()
-    eval_records, comparison = retest(policy, admission, policy.baseline_version,
-                                      candidate_version, reporter)
+    retested = None
+    if progress.status == "ok" and stop.requested:
+        progress.interrupt(stop, "before the re-test")
+    elif progress.status != "interrupted":
+        retested = retest(policy, admission, eval_prompts, policy.baseline_version,
+                          candidate_version, reporter, stop)
+        if retested is None:
+            progress.interrupt(stop, "during the re-test")
+    eval_records, comparison = retested or ([], skipped_comparison(config))
     seconds["evaluation"] = time.perf_counter() - started
 
-    rollout = rollout_evidence(trajectories, steps, seconds, config.group_size, admission.verifier)
+    rollout = rollout_evidence(trajectories, steps, seconds, config.group_size,
+                               progress.verifier_errors)
     update = update_evidence(config, steps, seconds)
-    status = trained["status"]
+    # An out-of-memory update is retried once at half the micro-batch, which then stays.
+    update |= {"micro_batch_size": progress.micro_batch_size, "oom_retries": progress.oom_retries}
+    status = progress.status
     if status == "ok" and (rollout["valid_group_count"] == 0 or update["update_count"] == 0):
         status = "no_effective_update"
     # The artifact counts only if the file on disk still hashes to what we recorded.
     on_disk = sha256_file(run_dir / "adapter" / "adapter_model.safetensors")
     evidence = {
         "grpogate_evidence_version": 1,
-        "run_label": config.label or run_dir.name,
+        "run_label": run_label,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "status": status,
+        "failure": progress.failure,
+        "interruption": progress.interruption,
+        "resumes": resumes,
         "config": config.to_dict(),
         "environment": library_versions() | {"torch_threads": torch.get_num_threads(),
                                              "device": str(policy.device)},
@@ -327,14 +365,15 @@ def run(config: RunConfig, reporter=None) -> dict:
             "verifier": {"name": config.resolved_verifier(), "version": admission.verifier.version},
             "train_set": admission.train_identity, "eval_set": admission.eval_identity,
         },
-        "contract": trained["contract"],
+        "contract": progress.contract,
         "rollout": rollout,
         "update": update,
         "comparison": comparison,
         "timings": {"load_seconds": load_seconds, "rollout_seconds": seconds["rollout"],
                     "verification_seconds": seconds["verification"],
                     "update_seconds": seconds["update"],
-                    "evaluation_seconds": seconds["evaluation"]},
+                    "evaluation_seconds": seconds["evaluation"],
+                    "checkpoint_seconds": seconds["checkpoint"]},
         "resources": peak_memory(policy.device),
         "artifact": {"path": "adapter", "sha256": adapter_sha if on_disk == adapter_sha else "",
                      "source_policy_version": policy.baseline_version,
@@ -345,12 +384,14 @@ def run(config: RunConfig, reporter=None) -> dict:
     evidence["effective_trajectory_count"] = candidate["effective_trajectory_count"]
     evidence["effective_trajectories_per_second"] = candidate["effective_trajectories_per_second"]
     evidence["valid_group_ratio"] = candidate["valid_group_ratio"]
-    evidence["timings"]["total_seconds"] = time.perf_counter() - started_run
+    evidence["timings"]["total_seconds"] = earlier_seconds + time.perf_counter() - started_run
     evidence["decision"] = decisions.decide_run(evidence, dataclasses.asdict(config.gates))
 
     atomic_write_bytes(run_dir / "eval_completions.jsonl", jsonl_bytes(eval_records))
     atomic_write_json(run_dir / "evidence.json", evidence)
     atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))
+    # The manifest marks the run complete, so it can no longer be resumed: checkpoints are waste.
+    remove_checkpoints(run_dir)
     evidence["run_dir"] = str(run_dir)
     # The report is derived from the files above and written after the manifest: a plotting
     # failure (any exception type matplotlib may raise) is logged and never loses the run;
@@ -363,3 +404,8 @@ def run(config: RunConfig, reporter=None) -> dict:
         reporter.log(f"[yellow]report not written ({type(error).__name__}: {error}); "
                      f"retry with `grpogate report {run_dir}`")
     return evidence
+
+
+def json_roundtrip(value):
+    """`value` as it reads back from a JSON file (tuples become lists, and so on)."""
+    return json.loads(json.dumps(value))

@@ -187,9 +187,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 / amx_bf16: bfloat16 matmuls run natively (about 2.5x float32 here)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native = device.type == "cuda" or cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
@@ -279,6 +290,40 @@ def reference_mode(policy: Policy):
     finally:
         policy.model.set_adapter(TRAINABLE)
         _freeze_all_but_trainable(policy.model)  # set_adapter may flip requires_grad
+
+
+@contextlib.contextmanager
+def sampling_weights(policy: Policy, baseline: bool = False):
+    """Sample from the policy (or the baseline) with its LoRA delta merged into the weights.
+
+    Unmerged LoRA costs two extra small matmuls and dtype casts in every linear layer of every
+    decode step (measured: about 9x slower decoding). Here each adapted layer gets a new weight
+    tensor W + scale * B @ A for the duration of sampling, the adapters are bypassed, and the
+    original tensor objects are put back afterwards — the base weights are never modified in
+    place, so they stay bit-identical (PEFT's merge/unmerge would add and subtract in place).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    if baseline:
+        adapter = REFERENCE if policy.has_baseline_adapter else None
+    else:
+        adapter = TRAINABLE
+    swapped = []
+    try:
+        if adapter is not None:
+            with torch.no_grad():
+                for module in policy.model.modules():
+                    if isinstance(module, LoraLayer) and adapter in module.lora_A:
+                        base_layer = module.get_base_layer()
+                        original = base_layer.weight
+                        delta = module.get_delta_weight(adapter).to(original.dtype)
+                        base_layer.weight = torch.nn.Parameter(original + delta, requires_grad=False)
+                        swapped.append((base_layer, original))
+        with policy.model.disable_adapter():
+            yield
+    finally:
+        for base_layer, original in swapped:
+            base_layer.weight = original
 
 
 def save_adapter(policy: Policy, directory: Path) -> str:

@@ -9,6 +9,7 @@ the records written to trajectories.jsonl. All prompts of a step are batched acr
 from __future__ import annotations
 
 import hashlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +55,19 @@ def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str,
     return encoded
 
 
+# bfloat16 matmuls on the CPU go through oneDNN, which builds a kernel for every new matrix shape
+# (seconds of warm-up spread over a run). Batch rows and prompt widths are therefore rounded
+# up to these multiples so that a run sees a handful of shapes, not hundreds.
+ROW_BUCKET = 8
+WIDTH_BUCKET = 16
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 def _left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in sequences)
+    width = round_up(max(len(s) for s in sequences), WIDTH_BUCKET)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, sequence in enumerate(sequences):
@@ -64,39 +76,106 @@ def _left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Te
     return input_ids.to(device), attention_mask.to(device)
 
 
+def _cache_keyword(model) -> str:
+    """transformers 5 calls the KV cache argument `cache`; 4.x called it `past_key_values`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+    """logits [N, V] -> token ids [N], sampled at `temperature` within the top-p nucleus."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the token crossing top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return order.gather(-1, choice).squeeze(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
 @torch.no_grad()
+def _decode_groups(model, prompts: list[list[int]], group_size: int, settings: SamplingSettings,
+                   eos_ids: set[int], pad_id: int, generator, cache_keyword: str) -> list[list[int]]:
+    """Sample `group_size` continuations of each prompt; returns token lists, prompt-major.
+
+    Each prompt is prefilled once and its KV cache repeated G times; a row that emits EOS leaves
+    the batch (its cache rows are dropped), so finished sequences cost no further decode steps.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    input_ids, attention_mask = _left_pad(prompts, pad_id, device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=True, logits_to_keep=1, **{cache_keyword: cache})
+    cache.batch_repeat_interleave(group_size)
+    logits = output.logits[:, -1].repeat_interleave(group_size, dim=0)  # [N, V]
+    attention_mask = attention_mask.repeat_interleave(group_size, dim=0)  # [N, P]
+    positions = position_ids[:, -1].repeat_interleave(group_size, dim=0)  # [N]
+    rows = torch.arange(logits.shape[0], device=device)  # original row of each batch row
+    live = torch.ones(len(rows), dtype=torch.bool, device=device)  # not yet past EOS
+    tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
+    eos = torch.tensor(sorted(eos_ids), device=device)
+    for step in range(settings.max_new_tokens):
+        chosen = _sample(logits, settings.temperature, settings.top_p, generator)  # [rows]
+        for row, token, alive in zip(rows.tolist(), chosen.tolist(), live.tolist()):
+            if alive:
+                tokens[row].append(token)
+        live = live & ~torch.isin(chosen, eos)
+        if step == settings.max_new_tokens - 1 or not live.any():
+            break
+        # Drop finished rows, keeping the row count a multiple of ROW_BUCKET (a few finished
+        # rows ride along, their samples ignored) so the decode matmuls keep known shapes.
+        target = min(len(live), round_up(int(live.sum()), ROW_BUCKET))
+        if target < len(live):
+            keep = torch.cat([torch.nonzero(live).flatten(), torch.nonzero(~live).flatten()])[:target]
+            keep = keep.sort().values
+            cache.batch_select_indices(keep)
+            rows, chosen, live = rows[keep], chosen[keep], live[keep]
+            attention_mask, positions = attention_mask[keep], positions[keep]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
+        positions = positions + 1
+        output = model(input_ids=chosen[:, None], attention_mask=attention_mask,
+                       position_ids=positions[:, None], use_cache=True, logits_to_keep=1,
+                       **{cache_keyword: cache})
+        logits = output.logits[:, -1]
+    return tokens
+
+
 def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], group_size: int,
                          settings: SamplingSettings, seed: int, progress=None) -> list[Completion]:
     """Sample `group_size` completions for every prompt, batched across groups.
 
-    The torch RNG is seeded once here, so the same (policy, prompts, seed) gives the same
-    completions: the baseline and the candidate see the same seeds in the re-test.
+    A private generator seeded here makes the same (policy, prompts, seed) give the same
+    completions: the baseline and the candidate see the same seeds in the re-test. The model is
+    used as it is: callers choose the weights (see `policy.sampling_weights`).
     """
     eos_ids = _eos_ids(model, tokenizer)
-    jobs = [(p, g) for p in range(len(prompt_token_ids)) for g in range(group_size)]
     device = next(model.parameters()).device
-    torch.manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    cache_keyword = _cache_keyword(model)
+    prompts_per_batch = max(1, settings.batch_size // group_size)
     completions: list[Completion] = []
     was_training = model.training
     model.eval()
-    for start in range(0, len(jobs), settings.batch_size):
-        chunk = jobs[start:start + settings.batch_size]
-        input_ids, attention_mask = _left_pad([prompt_token_ids[p] for p, _ in chunk],
-                                              tokenizer.pad_token_id, device)
-        output = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-            temperature=settings.temperature, top_p=settings.top_p, top_k=0,
-            max_new_tokens=settings.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=sorted(eos_ids))
-        generated = output[:, input_ids.shape[1]:].tolist()
-        for (prompt_index, sample_index), tokens in zip(chunk, generated):
-            completion, stopped = _cut_at_eos(tokens, eos_ids)
-            completions.append(Completion(
-                prompt_index, sample_index, prompt_token_ids[prompt_index], completion,
-                tokenizer.decode(completion, skip_special_tokens=True), not stopped))
-        if progress is not None:
-            progress(len(chunk))
-    model.train(was_training)
+    try:
+        for start in range(0, len(prompt_token_ids), prompts_per_batch):
+            chunk = list(range(start, min(start + prompts_per_batch, len(prompt_token_ids))))
+            sampled = _decode_groups(model, [prompt_token_ids[p] for p in chunk], group_size,
+                                     settings, eos_ids, tokenizer.pad_token_id, generator,
+                                     cache_keyword)
+            for offset, tokens in enumerate(sampled):
+                prompt_index, sample_index = chunk[offset // group_size], offset % group_size
+                completion, stopped = _cut_at_eos(tokens, eos_ids)
+                completions.append(Completion(
+                    prompt_index, sample_index, prompt_token_ids[prompt_index], completion,
+                    tokenizer.decode(completion, skip_special_tokens=True), not stopped))
+            if progress is not None:
+                progress(len(sampled))
+    finally:
+        model.train(was_training)
     return completions
 
 

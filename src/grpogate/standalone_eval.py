@@ -74,7 +74,7 @@ def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, progress
     """
     from grpogate.evaluate import evaluate_policy
     from grpogate.pipeline import sampling_settings
-    from grpogate.policy import load_policy, reference_mode
+    from grpogate.policy import load_policy, sampling_weights
     from grpogate.rollout import encode_prompts
     from grpogate.verifiers import get_verifier
 
@@ -93,7 +93,7 @@ def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, progress
         policy.model, policy.tokenizer, problems, prompts, policy_name=POLICY_NAME,
         policy_version=policy.baseline_version, verifier=verifier,
         group_size=config.eval_group_size, settings=sampling_settings(config), seed=seed,
-        mode=lambda: reference_mode(policy), progress=progress)
+        mode=lambda: sampling_weights(policy, baseline=True), progress=progress)
     evaluation_seconds = time.perf_counter() - started
     return {
         "kind": EVAL_FILE_KIND, "version": EVAL_FILE_VERSION,

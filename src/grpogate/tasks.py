@@ -89,7 +89,8 @@ def _read_jsonl(path: Path, shown: str) -> list[tuple[int, str, str]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise InputError(f"{where}: malformed JSON: {exc}") from exc
+            # exc's own text says "line 1" (of this one line); name the column instead.
+            raise InputError(f"{where}: malformed JSON: {exc.msg} (column {exc.colno})") from exc
         rows.append((number, *_gsm8k_row(record, where)))
     return rows
 
@@ -164,7 +165,11 @@ def load_gsm8k(source: str | os.PathLike, split: str, size: int, seed: int | Non
 
 def _generate(name: str, params: dict, n: int, seed: int) -> list[tuple[str, str]]:
     import reasoning_gym  # imported lazily: ~0.7 s, and GSM8K-only runs never need it
+    from reasoning_gym.factory import DATASETS
 
+    if name not in DATASETS:
+        raise InputError(f"task.name: unknown reasoning-gym dataset {name!r}; reasoning-gym "
+                         f"knows {len(DATASETS)}, e.g. {', '.join(sorted(DATASETS)[:5])}")
     try:
         dataset = reasoning_gym.create_dataset(name, size=n, seed=seed, **params)
         items = [(item["question"], item["answer"]) for item in dataset]

@@ -17,16 +17,24 @@ Shapes: N sequences per micro-batch, T completion tokens (right-padded), B group
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
+
+from grpogate.rollout import WIDTH_BUCKET, round_up
 
 ADVANTAGE_EPS = 1e-4
 
 
 class NonFiniteUpdate(RuntimeError):
     """A NaN/inf loss or gradient: the optimizer step was not taken."""
+
+
+class UpdateFailed(RuntimeError):
+    """The update ran out of memory again after the retry at half the micro-batch."""
 
 
 # --- advantages and the valid-group filter ---------------------------------------------------
@@ -129,8 +137,9 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_i
 
     Returns input_ids/attention_mask [N, P+T], completion ids [N, T], completion mask [N, T].
     """
-    prompt_width = max(len(p) for p in prompts)
-    completion_width = max(1, max(len(c) for c in completions))
+    # Widths rounded up to a few sizes: oneDNN bf16 kernels are built once per shape (rollout.py).
+    prompt_width = round_up(max(len(p) for p in prompts), WIDTH_BUCKET)
+    completion_width = round_up(max(1, max(len(c) for c in completions)), WIDTH_BUCKET)
     n = len(prompts)
     input_ids = torch.full((n, prompt_width + completion_width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -263,7 +272,13 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
             logp = completion_logprobs(model, input_ids, attention_mask, completion_ids,
                                        settings.temperature)
             if old_logp:
-                old = torch.stack([old_logp[i][:logp.shape[1]] for i in micro])
+                # Rows were precomputed in micro-batches of other widths: copy each row's
+                # prefix (which covers its completion) over the detached current log-probs,
+                # so padded positions have ratio 1 and never produce inf * 0.
+                old = logp.detach().clone()
+                for row, index in enumerate(micro):
+                    values = old_logp[index][:logp.shape[1]]
+                    old[row, :values.shape[0]] = values
             else:
                 old = logp.detach()
             advantages = torch.tensor([batch.advantages[i] for i in micro], device=device,
@@ -291,3 +306,93 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
         record.losses.append(step_loss)
         record.grad_norms.append(grad_norm)
     return record
+
+
+# --- all-or-nothing updates: rollback, and one retry after an out-of-memory ---------------------
+
+
+@dataclass
+class TrainingSnapshot:
+    """CPU copies of the trainable parameters and the optimizer state before a rollout's update."""
+
+    parameters: list[torch.Tensor]
+    optimizer_state: dict
+
+    @classmethod
+    def take(cls, parameters, optimizer) -> "TrainingSnapshot":
+        def to_cpu(value):
+            if isinstance(value, torch.Tensor):
+                return value.detach().to("cpu", copy=True)
+            if isinstance(value, dict):
+                return {key: to_cpu(item) for key, item in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(to_cpu(item) for item in value)
+            return value
+
+        return cls([p.detach().to("cpu", copy=True) for p in parameters],
+                   to_cpu(optimizer.state_dict()))
+
+    def restore(self, parameters, optimizer) -> None:
+        with torch.no_grad():
+            for parameter, saved in zip(parameters, self.parameters):
+                parameter.copy_(saved.to(parameter.device))
+        # load_state_dict keeps CPU tensors as they are; a deep copy keeps the snapshot intact
+        # for a second restore after the retry.
+        optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
+        optimizer.zero_grad(set_to_none=True)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    out_of_memory = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    return isinstance(error, out_of_memory) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+
+
+def update_with_retry(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, pad_id: int,
+                      reference_mode, parameters, progress=None,
+                      on_retry=None) -> tuple[UpdateRecord, UpdateSettings]:
+    """`grpo_update`, all or nothing: returns (record, the settings that succeeded).
+
+    Any failure restores the parameters and optimizer state of before the call, so a step is
+    never half-applied (with several optimizer steps per rollout, earlier ones would otherwise
+    stay in the adapter without a record) and the kept adapter is the last good one. An
+    out-of-memory error is retried once at half the micro-batch, from the restored state and
+    with zeroed gradients, so no optimizer step is applied twice; a second one raises
+    UpdateFailed. NonFiniteUpdate and every other error propagate after the rollback.
+    """
+    snapshot = TrainingSnapshot.take(parameters, optimizer)
+    try:
+        return grpo_update(model, optimizer, batch, settings, pad_id, reference_mode, parameters,
+                           progress), settings
+    except Exception as error:
+        snapshot.restore(parameters, optimizer)
+        if not is_out_of_memory(error):
+            raise
+        first = _first_line(error)
+    if settings.micro_batch_size == 1:
+        raise UpdateFailed(f"out of memory during the update at micro_batch_size 1: {first}")
+    _release_cached_memory()
+    halved = dataclasses.replace(settings, micro_batch_size=settings.micro_batch_size // 2)
+    if on_retry is not None:
+        on_retry(first, halved.micro_batch_size)
+    try:
+        return grpo_update(model, optimizer, batch, halved, pad_id, reference_mode, parameters,
+                           progress), halved
+    except Exception as error:
+        snapshot.restore(parameters, optimizer)
+        if is_out_of_memory(error):
+            raise UpdateFailed(
+                f"out of memory during the update at micro_batch_size {settings.micro_batch_size} "
+                f"and again at {halved.micro_batch_size}: {_first_line(error)}; lower "
+                "micro_batch_size or max_new_tokens") from error
+        raise
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _release_cached_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -18,6 +18,8 @@ has a stable `.version` (recorded on each trajectory and checked by the rollout 
 Decimal('-2.50')
 >>> extract_final_answer("3 + 4 = 7\\nanswer:  7 \\nthanks")
 '7'
+>>> plain_number("$1,234.50."), plain_number("1,2,3")
+('1234.50', None)
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ _NUMBER = re.compile(
     re.ASCII,
 )
 _ANSWER_MARKER = re.compile(r"answer:", re.ASCII | re.IGNORECASE)
+# reasoning-gym datasets whose score_answer runs the model's answer through eval() or
+# sympy.parse_expr (which calls eval): scoring would execute model output as Python. Found by
+# reading every scorer of reasoning-gym 0.1.25; tests/test_verifiers.py re-scans the installed
+# version so that an upgrade adding another one fails the tests. "composite" delegates to
+# other datasets' scorers, which cannot be checked here.
+CODE_EVALUATING_SCORERS = frozenset({
+    "binary_matrix", "countdown", "intermediate_integration", "n_queens",
+    "polynomial_multiplication", "puzzle24", "simple_integration", "spiral_matrix",
+    "string_insertion", "composite"})
 
 
 def _number_text(match: re.Match[str]) -> str:
@@ -71,6 +82,17 @@ def reference_number(reference: Any) -> Decimal | None:
     _, _, final_part = reference.rpartition("####")  # no "####": final_part is the whole text
     match = _NUMBER.search(final_part)
     return None if match is None else Decimal(_number_text(match))
+
+
+def plain_number(text: str) -> str | None:
+    """The plain decimal text of a string that is exactly one number as people write it
+    (optional sign, "$", thousands separators, one trailing period), e.g. "$1,000.00." ->
+    "1000.00"; None otherwise."""
+    candidate = text.strip()
+    if candidate.endswith("."):
+        candidate = candidate[:-1]
+    match = _NUMBER.fullmatch(candidate)
+    return None if match is None else _number_text(match)
 
 
 def extract_final_answer(completion: Any) -> str | None:
@@ -140,6 +162,12 @@ class ReasoningGymVerifier:
                 f"'{REASONING_GYM_PREFIX}{dataset_name}'; reasoning-gym knows "
                 f"{len(DATASETS)} datasets, e.g. {', '.join(sorted(DATASETS)[:5])}"
             )
+        if dataset_name in CODE_EVALUATING_SCORERS:
+            raise ValueError(
+                f"reasoning-gym dataset {dataset_name!r} is refused as a verifier: its scorer "
+                "evaluates the model's answer as code (eval / sympy.parse_expr), and grpogate "
+                "never executes model output"
+            )
         try:
             # One small instance is enough: only its score_answer method is used.
             self._dataset = reasoning_gym.create_dataset(dataset_name, size=1, seed=0)
@@ -149,8 +177,9 @@ class ReasoningGymVerifier:
             ) from error
         self.name = REASONING_GYM_PREFIX + dataset_name
         # `.version` must stay stable across library upgrades (it is part of every trajectory's
-        # identity); the library version is recorded next to it as evidence.
-        self.version = f"{self.name}-v1"
+        # identity); the library version is recorded next to it as evidence. v2: an answer that
+        # is one number as people write it is handed to the scorer as the plain number.
+        self.version = f"{self.name}-v2"
         self.library_version = _distribution_version("reasoning-gym", reasoning_gym)
         self.error_count = 0
 
@@ -160,6 +189,11 @@ class ReasoningGymVerifier:
         answer = extract_final_answer(completion)
         if answer is None:  # nothing to grade; not a scorer error
             return 0.0
+        # "$1,000.00." means 1000.00 to a reader, but reasoning-gym's decimal scorers reject the
+        # "$" and the sentence's period; only when both sides are plain numbers is it rewritten.
+        plain = plain_number(answer)
+        if plain is not None and plain_number(reference) is not None:
+            answer = plain
         try:
             reward = float(self._dataset.score_answer(answer, {"answer": reference, "metadata": {}}))
         except Exception:

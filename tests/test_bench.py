@@ -1,0 +1,202 @@
+"""The grpogate-vs-TRL benchmark (bench/): its table arithmetic, TRL's settings, the ideal timer.
+
+The numbers in the table tests are hand-made results with round values, so every ratio below is
+worked out by hand; the end-to-end run uses the tiny random Llama and is marked slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import bench_table  # noqa: E402
+import trl_side  # noqa: E402
+
+GIB = 1024**3
+HAS_TRL = importlib.util.find_spec("trl") is not None
+
+
+def _result(step_seconds, generation_tps, etps, rss_gib, valid_groups, group_size=8):
+    return {"steps": [{"seconds": s} for s in step_seconds],
+            "generation_tokens_per_second": generation_tps,
+            "effective_trajectories_per_second": etps,
+            "effective_trajectory_count": valid_groups * group_size,
+            "peak_rss_bytes": int(rss_gib * GIB)}
+
+
+def _eval_records(policy, rewards_by_prompt):
+    return [{"policy": policy, "prompt_id": prompt, "completion_tokens": 5, "hit_max_length": False,
+             "reward": reward} for prompt, rewards in rewards_by_prompt.items() for reward in rewards]
+
+
+def _summaries():
+    from grpogate.metrics import summarize_completions
+
+    per_policy = {  # 2 prompts x 2 samples each
+        "baseline": {"p1": [0.0, 0.0], "p2": [0.0, 1.0]},   # mean 0.25
+        "grpogate": {"p1": [1.0, 0.0], "p2": [1.0, 1.0]},   # mean 0.75
+        "trl": {"p1": [0.0, 0.0], "p2": [1.0, 1.0]},        # mean 0.50
+        "trl-nogc": {"p1": [0.0, 0.0], "p2": [1.0, 0.0]},   # mean 0.25
+    }
+    return {name: summarize_completions(_eval_records(name, rewards), 2, 48)
+            for name, rewards in per_policy.items()}
+
+
+def _table():
+    results = {
+        "grpogate": _result([10.0, 20.0], 300.0, 2.0, 1.0, valid_groups=6),      # 15 s/step
+        "trl": _result([100.0, 80.0], 100.0, 0.4, 3.0, valid_groups=8),          # 90 s/step
+        "trl-nogc": _result([70.0, 90.0], 150.0, 0.5, 2.0, valid_groups=10),     # 80 s/step
+    }
+    ideal = {"tokens_per_second": 600.0, "dtype": "bfloat16", "batch_size": 64, "linear_maps": 211,
+             "by_dtype": {"float32": {"tokens_per_second": 300.0},
+                          "bfloat16": {"tokens_per_second": 600.0}}}
+    settings = {"seed": 42, "eval_samples": 2}
+    return bench_table.build_table(settings, results, ideal, {"summaries": _summaries()})
+
+
+def test_ratios_are_taken_against_the_trl_configuration_with_fewer_seconds_per_step():
+    table = _table()
+    assert table["faster_trl"] == "trl-nogc"  # 80 s/step beats 90 s/step
+    assert table["systems"]["grpogate"]["seconds_per_step"] == pytest.approx(15.0)
+    assert table["effective_trajectories_per_second_ratio"] == pytest.approx(2.0 / 0.5)
+    assert table["effective_trajectories_per_second_ratio_vs_best_trl"] == pytest.approx(4.0)
+    assert table["seconds_per_step_ratio"] == pytest.approx(15.0 / 80.0)
+    assert table["generation_tokens_per_second_ratio"] == pytest.approx(2.0)
+    assert table["peak_rss_ratio"] == pytest.approx(0.5)
+    # wall: 48 effective over 30 s vs 80 over 160 s
+    assert table["effective_trajectories_per_second_ratio_wall"] == pytest.approx(1.6 / 0.5)
+
+
+def test_peak_fraction_and_heldout_rewards_are_per_system():
+    table = _table()
+    assert table["generation_peak_fraction"] == pytest.approx(300.0 / 600.0)
+    assert table["systems"]["trl"]["generation_peak_fraction"] == pytest.approx(100.0 / 600.0)
+    assert table["heldout_mean_reward"] == pytest.approx(
+        {"baseline": 0.25, "grpogate": 0.75, "trl": 0.5, "trl-nogc": 0.25})
+    gap = table["heldout_comparison"]["grpogate_minus_trl-nogc"]["reward_mean_gain"]
+    assert gap["point"] == pytest.approx(0.5)  # per prompt: p1 +0.5, p2 +0.5
+
+
+def test_targets_and_printed_table():
+    table = _table()
+    assert table["targets"] == {
+        "effective_trajectories_per_second_ratio >= 4": True,
+        "generation_peak_fraction >= 0.5": True,
+        "peak_rss_ratio <= 1": True,
+        "heldout reward not significantly below TRL": True,
+    }
+    text = bench_table.format_table(table)
+    assert "grpogate / trl-nogc" in text
+    assert "4.00x" in text  # effective trajectories/s ratio
+    assert "0.50x" in text  # peak RSS ratio
+    json.dumps(table)  # the JSON file must serialize
+
+
+def test_without_trl_the_table_has_grpogate_and_the_ideal_only():
+    results = {"grpogate": _result([10.0], 300.0, 2.0, 1.0, valid_groups=6)}
+    ideal = {"tokens_per_second": 600.0, "dtype": "float32", "batch_size": 64, "linear_maps": 211,
+             "by_dtype": {"float32": {"tokens_per_second": 600.0}}}
+    table = bench_table.build_table({"seed": 0, "eval_samples": 2}, results, ideal, None)
+    assert table["faster_trl"] is None
+    assert "effective_trajectories_per_second_ratio" not in table
+    assert table["generation_peak_fraction"] == pytest.approx(0.5)
+    assert "grpogate" in bench_table.format_table(table)
+
+
+def test_valid_groups_counts_prompts_whose_rewards_differ():
+    pairs = [("a", 0.0), ("a", 1.0), ("b", 0.0), ("b", 0.0), ("c", 1.0), ("c", 1.0)]
+    assert trl_side.valid_groups(pairs) == (1, 3)
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="TRL not installed (pip install -e '.[bench]')")
+def test_trl_arguments_make_one_generation_and_one_update_per_step(tmp_path):
+    settings = {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 48,
+                "learning_rate": 5e-5, "steps": 3, "seed": 42}
+    args = trl_side.trl_arguments(settings, tmp_path, gradient_checkpointing=False)
+    assert args.generation_batch_size == 64 and args.steps_per_generation == 1
+    assert args.num_iterations == 1 and args.beta == 0.0
+    assert args.lr_scheduler_type == "constant" and args.learning_rate == 5e-5
+    assert args.gradient_checkpointing is False and args.shuffle_dataset is False
+    assert trl_side.trl_arguments(settings, tmp_path, True).gradient_checkpointing is True
+
+
+def test_decode_ideal_times_every_linear_map():
+    import torch
+    from decode_ideal import decode_step_tokens_per_second
+
+    measured = decode_step_tokens_per_second([(8, 16), (16, 8), (8, 32)], 4, torch.float32,
+                                             round_seconds=0.01, rounds=2)
+    assert measured["linear_maps"] == 3
+    assert measured["tokens_per_second"] == pytest.approx(4 / measured["seconds_per_decode_step"])
+
+
+def test_linear_shapes_of_the_tiny_llama(tiny_model_dir):
+    from decode_ideal import linear_shapes
+
+    shapes = linear_shapes(str(tiny_model_dir))
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    # 7 projections per layer plus the LM head, which comes last
+    assert len(shapes) == 7 * config["num_hidden_layers"] + 1
+    assert shapes[-1] == (config["hidden_size"], config["vocab_size"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRL, reason="TRL not installed (pip install -e '.[bench]')")
+def test_benchmark_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
+    out = tmp_path / "table.json"
+    command = [sys.executable, str(BENCH / "grpo_vs_trl.py"), "--model", str(tiny_model_dir),
+               "--systems", "grpogate,trl-nogc", "--steps", "1", "--prompts-per-step", "2",
+               "--group-size", "4", "--max-new-tokens", "4", "--eval-prompts", "2",
+               "--eval-samples", "2", "--lora-r", "4", "--threads", "1", "--ideal-seconds", "0.05",
+               "--workdir", str(tmp_path / "work"), "--json", str(out)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    table = json.loads(out.read_text())
+    assert set(table["systems"]) == {"grpogate", "trl-nogc"}
+    assert table["raw"]["trl-nogc"]["prompt_tokens_match_grpogate"] is True
+    assert table["raw"]["grpogate"]["steps"][0]["generated_tokens"] > 0
+    assert table["raw"]["trl-nogc"]["steps"][0]["generated_tokens"] > 0
+    assert set(table["heldout_mean_reward"]) == {"baseline", "grpogate", "trl-nogc"}
+    # cross-checks hold (a note about other work on the machine may remain)
+    assert [note for note in table["notes"] if "load average" not in note] == []
+    for key in ("effective_trajectories_per_second_ratio", "generation_peak_fraction",
+                "peak_rss_ratio"):
+        assert key in table
+
+
+def test_without_trl_its_systems_are_dropped_with_the_install_command(capsys):
+    import grpo_vs_trl
+
+    assert grpo_vs_trl.select_systems("grpogate,trl,trl-nogc", trl_installed=False) == ["grpogate"]
+    assert "pip install -e '.[bench]'" in capsys.readouterr().err
+    assert grpo_vs_trl.select_systems("trl", trl_installed=True) == ["trl"]
+    with pytest.raises(SystemExit, match="unknown"):
+        grpo_vs_trl.select_systems("grpogate,verl", trl_installed=True)
+
+
+def test_a_ratio_over_a_zero_trl_value_is_undefined_and_meets_no_target():
+    results = {"grpogate": _result([10.0], 300.0, 2.0, 1.0, valid_groups=6),
+               "trl": _result([50.0], 100.0, 0.0, 2.0, valid_groups=0)}
+    ideal = {"tokens_per_second": 600.0, "dtype": "float32", "batch_size": 64, "linear_maps": 211,
+             "by_dtype": {"float32": {"tokens_per_second": 600.0}}}
+    table = bench_table.build_table({"seed": 0, "eval_samples": 2}, results, ideal, None)
+    assert table["effective_trajectories_per_second_ratio"] is None
+    assert table["targets"]["effective_trajectories_per_second_ratio >= 4"] is False
+    assert table["peak_rss_ratio"] == pytest.approx(0.5)
+
+
+def test_a_failed_child_is_reported_not_fatal(tmp_path):
+    import grpo_vs_trl
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"threads": 1}))
+    assert grpo_vs_trl.run_child("no-such-system", spec, tmp_path / "child", threads=1) is None

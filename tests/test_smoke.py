@@ -1,0 +1,69 @@
+"""End to end on the real bundled SmolLM2-135M-Instruct: `grpogate run --profile smoke`.
+
+This is the one test that runs the real model (about a minute on 2 CPU cores; the first call
+also dequantizes the GGUF into the cache). It checks what the issue's "done when" asks: exit 0,
+and evidence, manifest, trajectories and adapter files that agree with each other.
+"""
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke") / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "grpogate.cli", "run", "--profile", "smoke", "--out", str(out)],
+        capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result.stdout
+
+
+def test_smoke_run_writes_consistent_evidence(smoke_run):
+    out, stdout = smoke_run
+    evidence = json.loads((out / "evidence.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    trajectories = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    eval_records = [json.loads(line) for line in (out / "eval_completions.jsonl").read_text().splitlines()]
+    config = evidence["config"]
+
+    assert evidence["inputs"]["model"]["kind"] == "gguf"
+    assert len(trajectories) == config["train_prompts"] * config["group_size"]
+    assert len({t["trace_id"] for t in trajectories}) == len(trajectories)
+    assert {t["verifier_version"] for t in trajectories} == {"reasoning-gym/chain_sum-v2"}
+    assert all(t["reward"] in (0.0, 1.0) for t in trajectories)
+    assert len(eval_records) == 2 * config["eval_prompts"] * config["eval_group_size"]
+
+    adapter_file = out / "adapter" / "adapter_model.safetensors"
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert manifest["adapter"]["sha256"] == sha256(adapter_file) == evidence["artifact"]["sha256"]
+    for name, digest in manifest["files"].items():
+        assert sha256(out / name) == digest, name
+    assert manifest["decision"] in ("accept", "tune", "reject")
+    assert manifest["decision"] == evidence["decision"]["decision"]
+    assert f"decision: {manifest['decision']}" in stdout
+    assert manifest["rollback_source"]["policy_version"] == evidence["inputs"]["baseline_policy_version"]
+    assert manifest["new_policy_version"] != manifest["source_policy_version"]
+    for key in ("rollout_seconds", "verification_seconds", "update_seconds", "evaluation_seconds"):
+        assert evidence["timings"][key] >= 0
+    assert evidence["resources"]["peak_rss_bytes"] > 100 * 2**20  # the model alone is ~270 MB
+
+
+def test_decide_agrees_with_the_smoke_run(smoke_run):
+    out, _ = smoke_run
+    result = subprocess.run([sys.executable, "-m", "grpogate.cli", "decide", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["decision"] in result.stdout
