@@ -352,8 +352,9 @@ def _execute(admission: Admission, reporter, stop: StopRequest,
         "interruption": progress.interruption,
         "resumes": resumes,
         "config": config.to_dict(),
-        "environment": library_versions() | {"torch_threads": torch.get_num_threads(),
-                                             "device": str(policy.device)},
+        "environment": library_versions() | {
+            "torch_threads": torch.get_num_threads(), "device": str(policy.device),
+            "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch.")},
         "seeds": {"run": config.seed, "rollout": [config.seed + s for s in range(config.steps)],
                   "eval": config.seed + 10_000, "bootstrap": config.seed},
         "inputs": {
