@@ -76,7 +76,7 @@ def _left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Te
     return input_ids.to(device), attention_mask.to(device)
 
 
-def _cache_keyword(model) -> str:
+def cache_keyword(model) -> str:
     """transformers 5 calls the KV cache argument `cache`; 4.x called it `past_key_values`."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
@@ -96,7 +96,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -
 
 @torch.no_grad()
 def _decode_groups(model, prompts: list[list[int]], group_size: int, settings: SamplingSettings,
-                   eos_ids: set[int], pad_id: int, generator, cache_keyword: str) -> list[list[int]]:
+                   eos_ids: set[int], pad_id: int, generator, keyword: str) -> list[list[int]]:
     """Sample `group_size` continuations of each prompt; returns token lists, prompt-major.
 
     Each prompt is prefilled once and its KV cache repeated G times; a row that emits EOS leaves
@@ -109,7 +109,7 @@ def _decode_groups(model, prompts: list[list[int]], group_size: int, settings: S
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=True, logits_to_keep=1, **{cache_keyword: cache})
+                   use_cache=True, logits_to_keep=1, **{keyword: cache})
     cache.batch_repeat_interleave(group_size)
     logits = output.logits[:, -1].repeat_interleave(group_size, dim=0)  # [N, V]
     attention_mask = attention_mask.repeat_interleave(group_size, dim=0)  # [N, P]
@@ -139,7 +139,7 @@ def _decode_groups(model, prompts: list[list[int]], group_size: int, settings: S
         positions = positions + 1
         output = model(input_ids=chosen[:, None], attention_mask=attention_mask,
                        position_ids=positions[:, None], use_cache=True, logits_to_keep=1,
-                       **{cache_keyword: cache})
+                       **{keyword: cache})
         logits = output.logits[:, -1]
     return tokens
 
@@ -155,7 +155,7 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
     eos_ids = _eos_ids(model, tokenizer)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    cache_keyword = _cache_keyword(model)
+    keyword = cache_keyword(model)
     prompts_per_batch = max(1, settings.batch_size // group_size)
     completions: list[Completion] = []
     was_training = model.training
@@ -165,7 +165,7 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
             chunk = list(range(start, min(start + prompts_per_batch, len(prompt_token_ids))))
             sampled = _decode_groups(model, [prompt_token_ids[p] for p in chunk], group_size,
                                      settings, eos_ids, tokenizer.pad_token_id, generator,
-                                     cache_keyword)
+                                     keyword)
             for offset, tokens in enumerate(sampled):
                 prompt_index, sample_index = chunk[offset // group_size], offset % group_size
                 completion, stopped = _cut_at_eos(tokens, eos_ids)

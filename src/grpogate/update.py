@@ -68,6 +68,11 @@ class UpdateBatch:
     def group_count(self) -> int:
         return len(set(self.group_index))
 
+    @property
+    def group_size(self) -> int:
+        """Sequences per group (every group is complete: `build_update_batch` checks it)."""
+        return len(self) // self.group_count if len(self) else 0
+
 
 def build_update_batch(prompt_token_ids: list[list[int]], completion_token_ids: list[list[int]],
                        rewards: list[float], group_size: int) -> UpdateBatch:
@@ -155,24 +160,90 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_i
             completion_mask.to(device))
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature: float,
-                        chunk: int = 64) -> torch.Tensor:
-    """Log-probs [N, T] of the completion tokens under `model`.
+def _token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
+                    chunk: int) -> torch.Tensor:
+    """logits [N, T, V], token_ids [N, T] -> log-probs [N, T] of the chosen tokens.
 
-    Only the completion positions' logits are produced (`logits_to_keep`), and the chosen token's
-    log-prob is gathered minus a logsumexp, chunk by chunk over the sequence, so no full-vocabulary
-    log-softmax copy of the batch is ever materialized.
+    The chosen token's logit minus a logsumexp, chunk by chunk over the sequence: no
+    full-vocabulary log-softmax copy of the batch is ever materialized.
     """
-    width = completion_ids.shape[1]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate() computes them
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=width + 1, use_cache=False).logits[:, :-1]  # [N, T, V]
     pieces = []
-    for start in range(0, width, chunk):
+    for start in range(0, token_ids.shape[1], chunk):
         block = logits[:, start:start + chunk].float() / temperature
-        chosen = block.gather(-1, completion_ids[:, start:start + chunk, None]).squeeze(-1)
+        chosen = block.gather(-1, token_ids[:, start:start + chunk, None]).squeeze(-1)
         pieces.append(chosen - torch.logsumexp(block, dim=-1))
     return torch.cat(pieces, dim=1)
+
+
+def completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature: float,
+                        chunk: int = 64) -> torch.Tensor:
+    """Log-probs [N, T] of the completion tokens, one full forward per sequence.
+
+    Only the completion positions' logits are produced (`logits_to_keep`).
+    """
+    width = completion_ids.shape[1]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generation computes them
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=width + 1, use_cache=False).logits[:, :-1]  # [N, T, V]
+    return _token_logprobs(logits, completion_ids, temperature, chunk)
+
+
+def pack_groups(prompts: list[list[int]], completions: list[list[int]], group_size: int,
+                pad_id: int, device):
+    """One prompt per group, G completions per group (group-major).
+
+    Returns prompt ids / mask [n, P] (left-padded) and completion ids / mask [n * G, T]
+    (right-padded), widths rounded up to WIDTH_BUCKET.
+    """
+    prompt_width = round_up(max(len(p) for p in prompts), WIDTH_BUCKET)
+    completion_width = round_up(max(1, max(len(c) for c in completions)), WIDTH_BUCKET)
+    prompt_ids = torch.full((len(prompts), prompt_width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for row, prompt in enumerate(prompts):
+        prompt_ids[row, prompt_width - len(prompt):] = torch.tensor(prompt)
+        prompt_mask[row, prompt_width - len(prompt):] = 1
+    completion_ids = torch.full((len(completions), completion_width), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((len(completions), completion_width), dtype=torch.float32)
+    for row, completion in enumerate(completions):
+        if completion:
+            completion_ids[row, :len(completion)] = torch.tensor(completion)
+            completion_mask[row, :len(completion)] = 1
+    return (prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
+            completion_mask.to(device))
+
+
+def shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                           group_size: int, temperature: float, chunk: int = 64) -> torch.Tensor:
+    """Log-probs [n * G, T] of the completions, the prompt forwarded once per group.
+
+    All G completions of a group share one prompt, so the prompt runs once (with gradient) and
+    its KV cache is repeated G times for the completion pass; gradients flow back through the
+    cache into the prompt positions, so the result equals `completion_logprobs` (tested), at
+    P + G*T instead of G*(P + T) tokens per group.
+    """
+    from transformers import DynamicCache
+
+    from grpogate.rollout import cache_keyword
+
+    keyword = cache_keyword(model)
+    position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P]
+    cache = DynamicCache(config=model.config)
+    prompt_out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids,
+                       use_cache=True, logits_to_keep=1, **{keyword: cache})
+    first_logits = prompt_out.logits[:, -1:].repeat_interleave(group_size, dim=0)  # [N, 1, V]
+    cache.batch_repeat_interleave(group_size)
+    width = completion_ids.shape[1]
+    repeated_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # [N, P]
+    attention_mask = torch.cat([repeated_mask, completion_mask[:, :width - 1].long()], dim=1)
+    start = position_ids[:, -1:].repeat_interleave(group_size, dim=0) + 1  # [N, 1]
+    completion_positions = start + torch.arange(width - 1, device=start.device)[None]  # [N, T-1]
+    if width > 1:
+        rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask,
+                     position_ids=completion_positions, use_cache=True, **{keyword: cache}).logits
+        logits = torch.cat([first_logits, rest], dim=1)  # [N, T, V]
+    else:
+        logits = first_logits
+    return _token_logprobs(logits, completion_ids, temperature, chunk)
 
 
 # --- the optimizer steps ---------------------------------------------------------------------
@@ -237,24 +308,34 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
         return record
     device = next(model.parameters()).device
     plan = _step_plan(batch, settings.groups_per_update)
+    group_size = batch.group_size
 
-    def tensors(rows):
-        return pack_sequences([batch.prompt_token_ids[i] for i in rows],
-                              [batch.completion_token_ids[i] for i in rows], pad_id, device)
+    def logprobs(rows):
+        """Log-probs [len(rows), T] and completion mask; rows are whole groups, group-major."""
+        prompt_ids, prompt_mask, completion_ids, mask = pack_groups(
+            [batch.prompt_token_ids[i] for i in rows[::group_size]],
+            [batch.completion_token_ids[i] for i in rows], group_size, pad_id, device)
+        return (lambda: shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids,
+                                               mask, group_size, settings.temperature)), mask
 
     def micro_batches(rows):
-        # Length-sorted micro-batches waste less compute on padding.
-        ordered = sorted(rows, key=lambda i: len(batch.completion_token_ids[i]))
-        return _chunks(ordered, settings.micro_batch_size)
+        # Whole groups (they share one prompt forward), groups of similar longest completion
+        # together so little compute goes to padding.
+        members: dict[int, list[int]] = {}
+        for index in rows:
+            members.setdefault(batch.group_index[index], []).append(index)
+        groups = sorted(members.values(),
+                        key=lambda group: max(len(batch.completion_token_ids[i]) for i in group))
+        per_micro = max(1, settings.micro_batch_size // group_size)
+        return [[i for group in groups[k:k + per_micro] for i in group]
+                for k in range(0, len(groups), per_micro)]
 
     old_logp: dict[int, torch.Tensor] = {}
     if len(plan) > 1:  # later steps need the rollout policy's log-probs, fixed before step one
         with torch.no_grad():
             for rows in micro_batches([i for step in plan for i in step]):
-                input_ids, attention_mask, completion_ids, mask = tensors(rows)
-                logp = completion_logprobs(model, input_ids, attention_mask, completion_ids,
-                                           settings.temperature)
-                for row, values in zip(rows, logp):
+                forward, _ = logprobs(rows)
+                for row, values in zip(rows, forward()):
                     old_logp[row] = values
 
     for rows in plan:
@@ -263,14 +344,12 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
         denominator = loss_denominator(lengths, settings.loss_aggregation)
         step_loss = 0.0
         for micro in micro_batches(rows):
-            input_ids, attention_mask, completion_ids, mask = tensors(micro)
+            forward, mask = logprobs(micro)
             ref_logp = None
             if settings.kl_coef > 0:
                 with torch.no_grad(), reference_mode():
-                    ref_logp = completion_logprobs(model, input_ids, attention_mask,
-                                                   completion_ids, settings.temperature)
-            logp = completion_logprobs(model, input_ids, attention_mask, completion_ids,
-                                       settings.temperature)
+                    ref_logp = forward()
+            logp = forward()
             if old_logp:
                 # Rows were precomputed in micro-batches of other widths: copy each row's
                 # prefix (which covers its completion) over the detached current log-probs,
