@@ -167,7 +167,7 @@ def run_eval(spec: dict, out_dir: Path) -> dict:
     from grpogate import metrics
     from grpogate.evaluate import evaluate_policy
     from grpogate.pipeline import sampling_settings
-    from grpogate.policy import current_version, load_policy, reference_mode
+    from grpogate.policy import current_version, load_policy, sampling_weights
     from grpogate.rollout import encode_prompts
     from grpogate.verifiers import get_verifier
 
@@ -180,7 +180,9 @@ def run_eval(spec: dict, out_dir: Path) -> dict:
         policy = load_policy(config, adapter=adapter, seed=config.seed)
         prompts = encode_prompts(policy.tokenizer, eval_set, config.resolved_system_prompt(),
                                  config.max_prompt_tokens)
-        mode = (lambda: reference_mode(policy)) if name == "baseline" else contextlib.nullcontext
+        # The same sampling path as grpogate's own re-test (LoRA merged into the weights), so a
+        # reloaded grpogate adapter reproduces the run's re-test exactly.
+        mode = lambda: sampling_weights(policy, baseline=(name == "baseline"))  # noqa: E731
         started = time.perf_counter()
         records[name] = evaluate_policy(
             policy.model, policy.tokenizer, eval_set, prompts, policy_name=name,

@@ -49,7 +49,7 @@ def file_states(directory: Path) -> dict[str, tuple[str, int]]:
 def finished(tiny_config, tmp_path_factory):
     """One run with a reward signal; returns (config, run_dir, evidence as returned)."""
     root = tmp_path_factory.mktemp("pipeline")
-    config = tiny_config(root)
+    config = tiny_config(root, tensorboard=str(root / "tensorboard"))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(training, "score_completions", alternating_rewards)
         evidence = pipeline.run(config)
@@ -78,6 +78,22 @@ def test_run_writes_every_file_and_the_manifest_pins_them(finished):
     assert manifest["decision"] == evidence["decision"]["decision"]
     assert manifest["trajectory_identity"]["trace_count"] == TRAIN_PROMPTS * GROUP_SIZE
     assert manifest["rollback_source"]["policy_version"] == evidence["inputs"]["baseline_policy_version"]
+
+
+def test_tensorboard_events_carry_every_step(finished):
+    from grpogate.tensorboard import read_scalars
+
+    config, run_dir, _ = finished
+    files = list(Path(config.tensorboard).glob("events.out.tfevents.*"))
+    assert len(files) == 1
+    scalars = read_scalars(files[0])
+    steps = load_evidence(run_dir)["steps"]
+    rewards = [(step, value) for step, tag, value in scalars if tag == "train/reward"]
+    assert [step for step, _ in rewards] == list(range(STEPS))
+    for (_, value), record in zip(rewards, steps):
+        assert value == pytest.approx(record["mean_reward"], rel=1e-6)  # stored as float32
+    assert {tag for _, tag, _ in scalars} >= {"train/valid_group_ratio", "update/mean_kl",
+                                              "update/clip_fraction", "time/rollout_seconds"}
 
 
 def test_trajectories_are_complete_and_carry_their_step_policy_version(finished):

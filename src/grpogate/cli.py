@@ -84,6 +84,9 @@ def run(
     seed: Optional[int] = typer.Option(None, help="Run seed."),
     device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or auto."),
+    tensorboard: Optional[str] = typer.Option(
+        None, "--tensorboard", metavar="DIR",
+        help="Also write the per-step scalars as TensorBoard event files into DIR."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check config, inputs and environment only."),
     resume: Optional[str] = typer.Option(
         None, "--resume", help="Continue the run in this directory from its last checkpoint, "
@@ -96,7 +99,7 @@ def run(
     from grpogate.interrupts import RunInterrupted, exit_code
 
     named = dict(model=model, adapter=adapter, baseline_manifest=baseline_manifest, seed=seed,
-                 device=device, dtype=dtype)
+                 device=device, dtype=dtype, tensorboard=tensorboard)
     config = None
     try:
         if resume is not None:

@@ -115,6 +115,8 @@ class RunConfig:
     loss_aggregation: str = "sequence_mean"  # DeepSeekMath: token mean per sequence, then mean
 
     seed: int = 42
+    # Directory for TensorBoard event files of the per-step scalars; empty: none written.
+    tensorboard: str = ""
     gates: Gates = field(default_factory=Gates)
 
     @property

@@ -39,6 +39,7 @@ from grpogate.policy import (Policy, current_version, load_policy, sampling_weig
 from grpogate.rollout import encode_prompts
 from grpogate.tasks import (Problem, check_isolation, check_problem_set, load_gsm8k,
                             load_reasoning_gym, problem_set_hash)
+from grpogate.tensorboard import TensorBoardWriter
 from grpogate.training import TrainingProgress, sampling_settings, train, trainable_tensors
 from grpogate.verifiers import get_verifier
 
@@ -105,6 +106,9 @@ def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:
     run_dir = resume_dir or run_dir_for(config)
     if resume_dir is None and run_dir.exists():
         raise InputError(f"{run_dir}: output already exists; choose a new run label (--label) or --out")
+    if config.tensorboard and Path(config.tensorboard).is_file():
+        raise InputError(f"tensorboard {config.tensorboard}: is a file; give a directory for the "
+                         "events files")
     model_spec, revision, adapter = config.model, config.model_revision, config.adapter
     if config.baseline_manifest:
         baseline = read_baseline_manifest(config.baseline_manifest)
@@ -315,8 +319,15 @@ def _execute(admission: Admission, reporter, stop: StopRequest,
                                   "elapsed_seconds": elapsed, **progress.state()},
                         trainable, optimizer)
 
-    train(policy, admission, train_prompts, log, reporter, run_label=run_label, progress=progress,
-          optimizer=optimizer, stop=stop, save_checkpoint_of=save_checkpoint_of)
+    # A resumed run opens a new events file in the same directory; TensorBoard merges them.
+    with (TensorBoardWriter(config.tensorboard) if config.tensorboard
+          else contextlib.nullcontext()) as tensorboard:
+        if tensorboard is not None:
+            reporter.log(f"tensorboard events: {tensorboard.path}")
+        train(policy, admission, train_prompts, log, reporter, run_label=run_label,
+              progress=progress, optimizer=optimizer, stop=stop,
+              save_checkpoint_of=save_checkpoint_of,
+              on_step=tensorboard.write_step if tensorboard is not None else None)
     steps, trajectories, seconds = progress.steps, progress.trajectories, progress.seconds
 
     adapter_sha = deliver_adapter(policy, run_dir)

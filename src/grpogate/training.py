@@ -85,10 +85,10 @@ class TrainingProgress:
 
 def train(policy: Policy, admission: Admission, prompts: list[list[int]], log: JsonlLog,
           reporter, *, run_label: str, progress: TrainingProgress, optimizer, stop: StopRequest,
-          save_checkpoint_of) -> None:
+          save_checkpoint_of, on_step=None) -> None:
     """The rollout / reward / update loop from `progress.next_step` over the encoded train
     `prompts`; updates `progress` in place and calls `save_checkpoint_of(progress)` after every
-    finished step."""
+    finished step, then `on_step(record)` (if given) with that step's record."""
     config = admission.config
     verifier = admission.verifier
     parameters = trainable_parameters(policy)
@@ -181,6 +181,10 @@ def train(policy: Policy, admission: Admission, prompts: list[list[int]], log: J
         started = time.perf_counter()
         save_checkpoint_of(progress)
         seconds["checkpoint"] += time.perf_counter() - started
+        # After the checkpoint, not right after the append: a step a resume would redo (killed
+        # before its checkpoint) then never reaches the events file twice.
+        if on_step is not None:
+            on_step(progress.steps[-1])
         reporter.log(f"step {step + 1}/{config.steps}: reward {step_summary['mean_reward']:.3f}, "
                      f"valid groups {step_summary['valid_group_count']}/{step_summary['group_count']}, "
                      f"updates {record.update_count}, kl {record.summary()['mean_kl']:.4f}")
