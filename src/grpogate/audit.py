@@ -24,8 +24,8 @@ from typing import Any, Callable
 from grpogate import decisions, metrics
 from grpogate.errors import InputError
 from grpogate.evidence import RUN_FILES, build_manifest, sha256_path, trace_ids_sha256
-from grpogate.tasks import (check_isolation, check_problem_set, load_gsm8k, load_reasoning_gym,
-                            problem_set_hash)
+from grpogate.config import TaskConfig
+from grpogate.tasks import load_problem_sets
 from grpogate.verifiers import get_verifier
 
 FLOAT_TOLERANCE = 1e-9
@@ -127,28 +127,15 @@ def reload_problem_sets(config: dict, inputs: dict) -> tuple[list, dict, list, d
     is read from the absolute file the run recorded when it exists, so a run configured with a
     relative path can be audited from any working directory.
     """
-    task = config["task"]
-    if task["source"] == "gsm8k":
-        def source(identity_key: str) -> str:
-            recorded = (inputs.get(identity_key) or {}).get("file")
-            return recorded if isinstance(recorded, str) and Path(recorded).is_absolute() and \
-                Path(recorded).is_file() else task["path"]
-        eval_set, eval_id = load_gsm8k(source("eval_set"), task["eval_split"],
-                                       config["eval_prompts"], task["eval_seed"])
-        train, train_id = load_gsm8k(source("train_set"), task["train_split"],
-                                     config["train_prompts"], task["train_seed"])
-    else:
-        eval_set, eval_id = load_reasoning_gym(task["name"], task["params"],
-                                               config["eval_prompts"], task["eval_seed"])
-        train, train_id = load_reasoning_gym(task["name"], task["params"], config["train_prompts"],
-                                             task["train_seed"],
-                                             frozenset(p.prompt_id for p in eval_set))
-    check_problem_set(train, "train")
-    check_problem_set(eval_set, "eval")
-    check_isolation(train, eval_set)
-    train_id["problem_set_sha256"] = problem_set_hash(train)
-    eval_id["problem_set_sha256"] = problem_set_hash(eval_set)
-    return train, train_id, eval_set, eval_id
+    task = TaskConfig(**config["task"])
+
+    def recorded_file(identity_key: str) -> str:
+        recorded = (inputs.get(identity_key) or {}).get("file")
+        usable = isinstance(recorded, str) and Path(recorded).is_absolute() and Path(recorded).is_file()
+        return recorded if usable else ""
+
+    return load_problem_sets(task, config["train_prompts"], config["eval_prompts"],
+                             recorded_file("train_set"), recorded_file("eval_set"))
 
 
 # --- the checks ---------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ from grpogate.policy import (Policy, current_version, load_policy, sampling_weig
                              resolve_base_model, default_cache_dir, check_adapter_dir,
                              save_adapter, sha256_file, trainable_parameters)
 from grpogate.rollout import encode_prompts
-from grpogate.tasks import (Problem, check_isolation, check_problem_set, load_gsm8k,
-                            load_reasoning_gym, problem_set_hash)
+from grpogate import tasks
+from grpogate.tasks import Problem
 from grpogate.tensorboard import TensorBoardWriter
 from grpogate.training import TrainingProgress, sampling_settings, train, trainable_tensors
 from grpogate.verifiers import get_verifier
@@ -80,22 +80,7 @@ def run_dir_for(config: RunConfig) -> Path:
 
 
 def load_problem_sets(config: RunConfig) -> tuple[list[Problem], dict, list[Problem], dict]:
-    task = config.task
-    if task.source == "gsm8k":
-        eval_set, eval_id = load_gsm8k(task.path, task.eval_split, config.eval_prompts, task.eval_seed)
-        train, train_id = load_gsm8k(task.path, task.train_split, config.train_prompts, task.train_seed)
-    else:
-        # Eval first: the train generator then skips eval prompts instead of leaking them.
-        eval_set, eval_id = load_reasoning_gym(task.name, task.params, config.eval_prompts,
-                                               task.eval_seed)
-        train, train_id = load_reasoning_gym(task.name, task.params, config.train_prompts,
-                                             task.train_seed, frozenset(p.prompt_id for p in eval_set))
-    check_problem_set(train, "train")
-    check_problem_set(eval_set, "eval")
-    check_isolation(train, eval_set)
-    train_id["problem_set_sha256"] = problem_set_hash(train)
-    eval_id["problem_set_sha256"] = problem_set_hash(eval_set)
-    return train, train_id, eval_set, eval_id
+    return tasks.load_problem_sets(config.task, config.train_prompts, config.eval_prompts)
 
 
 def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:

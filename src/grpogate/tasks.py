@@ -270,3 +270,29 @@ def problem_set_hash(problems: list[Problem]) -> str:
     """sha256 over the ordered (prompt id, reference) pairs: the set's identity in the evidence."""
     payload = json.dumps([[p.prompt_id, p.reference] for p in problems], ensure_ascii=False)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def load_problem_sets(task, train_prompts: int, eval_prompts: int, train_source: str = "",
+                      eval_source: str = "") -> tuple[list[Problem], dict, list[Problem], dict]:
+    """The run's train and eval sets, checked and hashed.
+
+    `task` has the fields of `config.TaskConfig`. For reasoning-gym the eval set is generated
+    first, so the train generator skips its prompts instead of leaking them. `train_source` /
+    `eval_source` replace `task.path` for GSM8K (the audit re-reads the files a run recorded).
+    """
+    if task.source == "gsm8k":
+        eval_set, eval_id = load_gsm8k(eval_source or task.path, task.eval_split, eval_prompts,
+                                       task.eval_seed)
+        train, train_id = load_gsm8k(train_source or task.path, task.train_split, train_prompts,
+                                     task.train_seed)
+    else:
+        eval_set, eval_id = load_reasoning_gym(task.name, task.params, eval_prompts, task.eval_seed)
+        train, train_id = load_reasoning_gym(task.name, task.params, train_prompts,
+                                             task.train_seed,
+                                             frozenset(p.prompt_id for p in eval_set))
+    check_problem_set(train, "train")
+    check_problem_set(eval_set, "eval")
+    check_isolation(train, eval_set)
+    train_id["problem_set_sha256"] = problem_set_hash(train)
+    eval_id["problem_set_sha256"] = problem_set_hash(eval_set)
+    return train, train_id, eval_set, eval_id
