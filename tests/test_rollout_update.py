@@ -328,3 +328,23 @@ def test_non_finite_loss_raises_and_leaves_parameters(policy, prompts):
     assert not optimizer.state
     after = policy.model.state_dict()
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_inverse_cdf_sampling_follows_the_distribution_and_the_nucleus():
+    from grpogate.rollout import _sample
+
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125, 0.0])
+    logits = torch.log(probs).expand(20_000, -1)  # log 0 = -inf: that token must never appear
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.bincount(_sample(logits, 1.0, 1.0, generator), minlength=5).double() / 20_000
+    # 20,000 draws: standard error <= sqrt(0.25 / 20000) = 0.0035; allow 4 of them.
+    assert torch.allclose(counts, probs.double(), atol=0.014)
+    assert counts[4] == 0
+    # top_p 0.6: the nucleus is {0, 1} (0.5 < 0.6, then 0.75 crosses it), renormalized 2/3, 1/3.
+    nucleus = torch.bincount(_sample(logits, 1.0, 0.6, generator), minlength=5).double() / 20_000
+    assert nucleus[2:].sum() == 0
+    assert nucleus[0].item() == pytest.approx(2 / 3, abs=0.014)
+    # temperature 0.5 squares the probabilities: 0.25, 0.0625, 0.015625 x 2 -> normalized.
+    sharp = torch.bincount(_sample(logits, 0.5, 1.0, generator), minlength=5).double() / 20_000
+    expected = torch.tensor([0.25, 0.0625, 0.015625, 0.015625, 0.0], dtype=torch.float64)
+    assert torch.allclose(sharp, expected / expected.sum(), atol=0.014)

