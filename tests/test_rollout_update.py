@@ -18,14 +18,13 @@ from grpogate.rollout import (
     trajectory_records,
 )
 from grpogate.tasks import Problem, prompt_id
+from grpogate.logprobs import completion_logprobs, pack_sequences
 from grpogate.update import (
     NonFiniteUpdate,
     UpdateBatch,
     UpdateSettings,
     build_update_batch,
-    completion_logprobs,
     grpo_update,
-    pack_sequences,
 )
 from grpogate.verifiers import get_verifier
 
@@ -196,7 +195,7 @@ def test_completion_logprobs_match_a_full_log_softmax(policy, prompts, temperatu
 
 def test_shared_prompt_forward_equals_one_forward_per_sequence(policy, prompts):
     """Two implementations of the same log-probs agree, values and gradients (verl-style)."""
-    from grpogate.update import pack_groups, shared_prompt_logprobs
+    from grpogate.logprobs import pack_groups, shared_prompt_logprobs
 
     group_prompts = [prompts[0], prompts[1][:-5]]  # two groups, different prompt lengths
     completions = [[504, 3077, 314, 2208, EOS], [905, 28], [1011, 29, 17, 44],  # group 0

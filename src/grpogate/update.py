@@ -7,6 +7,8 @@ Where this departs from the DeepSeekMath GRPO objective (Shao et al. 2024, eq. 3
 - Advantages are (r - mean) / (std + 1e-4) with the unbiased within-group std (as TRL and verl).
 - The KL term is the k3 estimator exp(ref - logp) - (ref - logp) - 1 per token, against the
   baseline policy (adapter disabled, or the frozen baseline adapter) — not a second model copy.
+- Each group's prompt is forwarded once and its KV cache shared by its G completions
+  (`logprobs.shared_prompt_logprobs`); the result equals one forward per sequence.
 - With one optimizer step per rollout the rollout policy *is* the current policy, so its
   log-probs are the detached current ones (ratio 1, clip inactive, same gradient) and no extra
   forward is spent; with several steps per rollout they are computed once before the first step.
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpogate.rollout import WIDTH_BUCKET, round_up
+from grpogate.logprobs import pack_groups, shared_prompt_logprobs
 
 ADVANTAGE_EPS = 1e-4
 
@@ -132,118 +134,6 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_epsilon, kl_coef,
     per_token, _, _ = grpo_token_terms(logp, old_logp, ref_logp, advantages, clip_epsilon, kl_coef)
     lengths = mask.sum(-1).long().tolist()
     return aggregate_loss(per_token, mask, aggregation) / loss_denominator(lengths, aggregation)
-
-
-# --- log-probabilities ---------------------------------------------------------------------------
-
-
-def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device):
-    """Left-pad prompts and right-pad completions so completions start at the same column.
-
-    Returns input_ids/attention_mask [N, P+T], completion ids [N, T], completion mask [N, T].
-    """
-    # Widths rounded up to a few sizes: oneDNN bf16 kernels are built once per shape (rollout.py).
-    prompt_width = round_up(max(len(p) for p in prompts), WIDTH_BUCKET)
-    completion_width = round_up(max(1, max(len(c) for c in completions)), WIDTH_BUCKET)
-    n = len(prompts)
-    input_ids = torch.full((n, prompt_width + completion_width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    completion_mask = torch.zeros((n, completion_width), dtype=torch.float32)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        input_ids[row, prompt_width - len(prompt):prompt_width] = torch.tensor(prompt)
-        attention_mask[row, prompt_width - len(prompt):prompt_width + len(completion)] = 1
-        if completion:
-            input_ids[row, prompt_width:prompt_width + len(completion)] = torch.tensor(completion)
-            completion_mask[row, :len(completion)] = 1
-    completion_ids = input_ids[:, prompt_width:]
-    return (input_ids.to(device), attention_mask.to(device), completion_ids.to(device),
-            completion_mask.to(device))
-
-
-def _token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
-                    chunk: int) -> torch.Tensor:
-    """logits [N, T, V], token_ids [N, T] -> log-probs [N, T] of the chosen tokens.
-
-    The chosen token's logit minus a logsumexp, chunk by chunk over the sequence: no
-    full-vocabulary log-softmax copy of the batch is ever materialized.
-    """
-    pieces = []
-    for start in range(0, token_ids.shape[1], chunk):
-        block = logits[:, start:start + chunk].float() / temperature
-        chosen = block.gather(-1, token_ids[:, start:start + chunk, None]).squeeze(-1)
-        pieces.append(chosen - torch.logsumexp(block, dim=-1))
-    return torch.cat(pieces, dim=1)
-
-
-def completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature: float,
-                        chunk: int = 64) -> torch.Tensor:
-    """Log-probs [N, T] of the completion tokens, one full forward per sequence.
-
-    Only the completion positions' logits are produced (`logits_to_keep`).
-    """
-    width = completion_ids.shape[1]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generation computes them
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=width + 1, use_cache=False).logits[:, :-1]  # [N, T, V]
-    return _token_logprobs(logits, completion_ids, temperature, chunk)
-
-
-def pack_groups(prompts: list[list[int]], completions: list[list[int]], group_size: int,
-                pad_id: int, device):
-    """One prompt per group, G completions per group (group-major).
-
-    Returns prompt ids / mask [n, P] (left-padded) and completion ids / mask [n * G, T]
-    (right-padded), widths rounded up to WIDTH_BUCKET.
-    """
-    prompt_width = round_up(max(len(p) for p in prompts), WIDTH_BUCKET)
-    completion_width = round_up(max(1, max(len(c) for c in completions)), WIDTH_BUCKET)
-    prompt_ids = torch.full((len(prompts), prompt_width), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros_like(prompt_ids)
-    for row, prompt in enumerate(prompts):
-        prompt_ids[row, prompt_width - len(prompt):] = torch.tensor(prompt)
-        prompt_mask[row, prompt_width - len(prompt):] = 1
-    completion_ids = torch.full((len(completions), completion_width), pad_id, dtype=torch.long)
-    completion_mask = torch.zeros((len(completions), completion_width), dtype=torch.float32)
-    for row, completion in enumerate(completions):
-        if completion:
-            completion_ids[row, :len(completion)] = torch.tensor(completion)
-            completion_mask[row, :len(completion)] = 1
-    return (prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
-            completion_mask.to(device))
-
-
-def shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                           group_size: int, temperature: float, chunk: int = 64) -> torch.Tensor:
-    """Log-probs [n * G, T] of the completions, the prompt forwarded once per group.
-
-    All G completions of a group share one prompt, so the prompt runs once (with gradient) and
-    its KV cache is repeated G times for the completion pass; gradients flow back through the
-    cache into the prompt positions, so the result equals `completion_logprobs` (tested), at
-    P + G*T instead of G*(P + T) tokens per group.
-    """
-    from transformers import DynamicCache
-
-    from grpogate.rollout import cache_keyword
-
-    keyword = cache_keyword(model)
-    position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P]
-    cache = DynamicCache(config=model.config)
-    prompt_out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids,
-                       use_cache=True, logits_to_keep=1, **{keyword: cache})
-    first_logits = prompt_out.logits[:, -1:].repeat_interleave(group_size, dim=0)  # [N, 1, V]
-    cache.batch_repeat_interleave(group_size)
-    width = completion_ids.shape[1]
-    repeated_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # [N, P]
-    attention_mask = torch.cat([repeated_mask, completion_mask[:, :width - 1].long()], dim=1)
-    start = position_ids[:, -1:].repeat_interleave(group_size, dim=0) + 1  # [N, 1]
-    completion_positions = start + torch.arange(width - 1, device=start.device)[None]  # [N, T-1]
-    if width > 1:
-        rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask,
-                     position_ids=completion_positions, use_cache=True, **{keyword: cache}).logits
-        logits = torch.cat([first_logits, rest], dim=1)  # [N, T, V]
-    else:
-        logits = first_logits
-    return _token_logprobs(logits, completion_ids, temperature, chunk)
 
 
 # --- the optimizer steps ---------------------------------------------------------------------

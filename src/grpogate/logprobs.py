@@ -1,0 +1,121 @@
+"""Log-probabilities of completion tokens under a model, without a full-vocabulary copy.
+
+Two ways to the same numbers (a test holds them equal, values and gradients):
+`completion_logprobs` forwards every sequence whole; `shared_prompt_logprobs` forwards each
+group's prompt once and reuses its KV cache for the group's G completions — the update uses it.
+Shapes: N sequences, P prompt columns (left-padded), T completion columns (right-padded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpogate.rollout import WIDTH_BUCKET, cache_keyword, round_up
+
+
+
+def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device):
+    """Left-pad prompts and right-pad completions so completions start at the same column.
+
+    Returns input_ids/attention_mask [N, P+T], completion ids [N, T], completion mask [N, T].
+    """
+    # Widths rounded up to a few sizes: oneDNN bf16 kernels are built once per shape (rollout.py).
+    prompt_width = round_up(max(len(p) for p in prompts), WIDTH_BUCKET)
+    completion_width = round_up(max(1, max(len(c) for c in completions)), WIDTH_BUCKET)
+    n = len(prompts)
+    input_ids = torch.full((n, prompt_width + completion_width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    completion_mask = torch.zeros((n, completion_width), dtype=torch.float32)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        input_ids[row, prompt_width - len(prompt):prompt_width] = torch.tensor(prompt)
+        attention_mask[row, prompt_width - len(prompt):prompt_width + len(completion)] = 1
+        if completion:
+            input_ids[row, prompt_width:prompt_width + len(completion)] = torch.tensor(completion)
+            completion_mask[row, :len(completion)] = 1
+    completion_ids = input_ids[:, prompt_width:]
+    return (input_ids.to(device), attention_mask.to(device), completion_ids.to(device),
+            completion_mask.to(device))
+
+
+def _token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
+                    chunk: int) -> torch.Tensor:
+    """logits [N, T, V], token_ids [N, T] -> log-probs [N, T] of the chosen tokens.
+
+    The chosen token's logit minus a logsumexp, chunk by chunk over the sequence: no
+    full-vocabulary log-softmax copy of the batch is ever materialized.
+    """
+    pieces = []
+    for start in range(0, token_ids.shape[1], chunk):
+        block = logits[:, start:start + chunk].float() / temperature
+        chosen = block.gather(-1, token_ids[:, start:start + chunk, None]).squeeze(-1)
+        pieces.append(chosen - torch.logsumexp(block, dim=-1))
+    return torch.cat(pieces, dim=1)
+
+
+def completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature: float,
+                        chunk: int = 64) -> torch.Tensor:
+    """Log-probs [N, T] of the completion tokens, one full forward per sequence.
+
+    Only the completion positions' logits are produced (`logits_to_keep`).
+    """
+    width = completion_ids.shape[1]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generation computes them
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=width + 1, use_cache=False).logits[:, :-1]  # [N, T, V]
+    return _token_logprobs(logits, completion_ids, temperature, chunk)
+
+
+def pack_groups(prompts: list[list[int]], completions: list[list[int]], group_size: int,
+                pad_id: int, device):
+    """One prompt per group, G completions per group (group-major).
+
+    Returns prompt ids / mask [n, P] (left-padded) and completion ids / mask [n * G, T]
+    (right-padded), widths rounded up to WIDTH_BUCKET.
+    """
+    prompt_width = round_up(max(len(p) for p in prompts), WIDTH_BUCKET)
+    completion_width = round_up(max(1, max(len(c) for c in completions)), WIDTH_BUCKET)
+    prompt_ids = torch.full((len(prompts), prompt_width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for row, prompt in enumerate(prompts):
+        prompt_ids[row, prompt_width - len(prompt):] = torch.tensor(prompt)
+        prompt_mask[row, prompt_width - len(prompt):] = 1
+    completion_ids = torch.full((len(completions), completion_width), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((len(completions), completion_width), dtype=torch.float32)
+    for row, completion in enumerate(completions):
+        if completion:
+            completion_ids[row, :len(completion)] = torch.tensor(completion)
+            completion_mask[row, :len(completion)] = 1
+    return (prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
+            completion_mask.to(device))
+
+
+def shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                           group_size: int, temperature: float, chunk: int = 64) -> torch.Tensor:
+    """Log-probs [n * G, T] of the completions, the prompt forwarded once per group.
+
+    All G completions of a group share one prompt, so the prompt runs once (with gradient) and
+    its KV cache is repeated G times for the completion pass; gradients flow back through the
+    cache into the prompt positions, so the result equals `completion_logprobs` (tested), at
+    P + G*T instead of G*(P + T) tokens per group.
+    """
+    from transformers import DynamicCache
+
+    keyword = cache_keyword(model)
+    position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P]
+    cache = DynamicCache(config=model.config)
+    prompt_out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids,
+                       use_cache=True, logits_to_keep=1, **{keyword: cache})
+    first_logits = prompt_out.logits[:, -1:].repeat_interleave(group_size, dim=0)  # [N, 1, V]
+    cache.batch_repeat_interleave(group_size)
+    width = completion_ids.shape[1]
+    repeated_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # [N, P]
+    attention_mask = torch.cat([repeated_mask, completion_mask[:, :width - 1].long()], dim=1)
+    start = position_ids[:, -1:].repeat_interleave(group_size, dim=0) + 1  # [N, 1]
+    completion_positions = start + torch.arange(width - 1, device=start.device)[None]  # [N, T-1]
+    if width > 1:
+        rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask,
+                     position_ids=completion_positions, use_cache=True, **{keyword: cache}).logits
+        logits = torch.cat([first_logits, rest], dim=1)  # [N, T, V]
+    else:
+        logits = first_logits
+    return _token_logprobs(logits, completion_ids, temperature, chunk)
