@@ -215,7 +215,7 @@ def test_shared_prompt_forward_equals_one_forward_per_sequence(policy, prompts):
     full_logp, full_grads = loss_and_grads(
         completion_logprobs(policy.model, input_ids, attention_mask, completion_ids, 0.7), mask)
     prompt_ids, prompt_mask, group_completion_ids, group_mask = pack_groups(
-        group_prompts, completions, 3, EOS, torch.device("cpu"))
+        group_prompts, completions, EOS, torch.device("cpu"))
     shared_logp, shared_grads = loss_and_grads(
         shared_prompt_logprobs(policy.model, prompt_ids, prompt_mask, group_completion_ids,
                                group_mask, 3, 0.7), group_mask)

@@ -162,10 +162,14 @@ def trace_ids_sha256(trace_ids: list[str]) -> str:
     return sha256_bytes("\n".join(trace_ids).encode())
 
 
-def create_run_dir(path: Path) -> Path:
-    """Refuse to reuse any existing path: an earlier run's outputs are never overwritten."""
+def refuse_existing_output(path: Path) -> None:
+    """An earlier run's outputs are never overwritten: any existing path is refused."""
     if path.exists():
         raise InputError(f"{path}: output already exists; choose a new run label (--label) or --out")
+
+
+def create_run_dir(path: Path) -> Path:
+    refuse_existing_output(path)  # checked again here: admission ran before the model loaded
     path.parent.mkdir(parents=True, exist_ok=True)
     path.mkdir()
     return path

@@ -10,8 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from grpogate.rollout import WIDTH_BUCKET, cache_keyword, round_up
+from grpogate.rollout import WIDTH_BUCKET, cache_keyword, left_pad, round_up
 
+
+
+def right_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [N, W] and float mask [N, W], W rounded up to WIDTH_BUCKET, sequences flush left."""
+    width = round_up(max(1, max(len(s) for s in sequences)), WIDTH_BUCKET)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.float32)
+    for row, sequence in enumerate(sequences):
+        if sequence:
+            ids[row, :len(sequence)] = torch.tensor(sequence)
+            mask[row, :len(sequence)] = 1
+    return ids.to(device), mask.to(device)
 
 
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device):
@@ -19,22 +31,11 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_i
 
     Returns input_ids/attention_mask [N, P+T], completion ids [N, T], completion mask [N, T].
     """
-    # Widths rounded up to a few sizes: oneDNN bf16 kernels are built once per shape (rollout.py).
-    prompt_width = round_up(max(len(p) for p in prompts), WIDTH_BUCKET)
-    completion_width = round_up(max(1, max(len(c) for c in completions)), WIDTH_BUCKET)
-    n = len(prompts)
-    input_ids = torch.full((n, prompt_width + completion_width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    completion_mask = torch.zeros((n, completion_width), dtype=torch.float32)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        input_ids[row, prompt_width - len(prompt):prompt_width] = torch.tensor(prompt)
-        attention_mask[row, prompt_width - len(prompt):prompt_width + len(completion)] = 1
-        if completion:
-            input_ids[row, prompt_width:prompt_width + len(completion)] = torch.tensor(completion)
-            completion_mask[row, :len(completion)] = 1
-    completion_ids = input_ids[:, prompt_width:]
-    return (input_ids.to(device), attention_mask.to(device), completion_ids.to(device),
-            completion_mask.to(device))
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
+    completion_ids, completion_mask = right_pad(completions, pad_id, device)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
+    return input_ids, attention_mask, completion_ids, completion_mask
 
 
 def _token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
@@ -65,28 +66,13 @@ def completion_logprobs(model, input_ids, attention_mask, completion_ids, temper
     return _token_logprobs(logits, completion_ids, temperature, chunk)
 
 
-def pack_groups(prompts: list[list[int]], completions: list[list[int]], group_size: int,
-                pad_id: int, device):
+def pack_groups(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device):
     """One prompt per group, G completions per group (group-major).
 
     Returns prompt ids / mask [n, P] (left-padded) and completion ids / mask [n * G, T]
     (right-padded), widths rounded up to WIDTH_BUCKET.
     """
-    prompt_width = round_up(max(len(p) for p in prompts), WIDTH_BUCKET)
-    completion_width = round_up(max(1, max(len(c) for c in completions)), WIDTH_BUCKET)
-    prompt_ids = torch.full((len(prompts), prompt_width), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros_like(prompt_ids)
-    for row, prompt in enumerate(prompts):
-        prompt_ids[row, prompt_width - len(prompt):] = torch.tensor(prompt)
-        prompt_mask[row, prompt_width - len(prompt):] = 1
-    completion_ids = torch.full((len(completions), completion_width), pad_id, dtype=torch.long)
-    completion_mask = torch.zeros((len(completions), completion_width), dtype=torch.float32)
-    for row, completion in enumerate(completions):
-        if completion:
-            completion_ids[row, :len(completion)] = torch.tensor(completion)
-            completion_mask[row, :len(completion)] = 1
-    return (prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
-            completion_mask.to(device))
+    return (*left_pad(prompts, pad_id, device), *right_pad(completions, pad_id, device))
 
 
 def shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,

@@ -31,7 +31,8 @@ from grpogate.errors import InputError
 from grpogate.evaluate import evaluate_policy
 from grpogate.evidence import (JsonlLog, atomic_directory, atomic_write_bytes, atomic_write_json,
                                build_manifest, create_run_dir, jsonl_bytes, library_versions,
-                               read_baseline_manifest, read_jsonl, remove_staging)
+                               read_baseline_manifest, read_jsonl, refuse_existing_output,
+                               remove_staging)
 from grpogate.interrupts import RunInterrupted, StopRequest, stop_on_signals
 from grpogate.policy import (Policy, current_version, load_policy, sampling_weights,
                              resolve_base_model, default_cache_dir, check_adapter_dir,
@@ -89,8 +90,8 @@ def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:
     A new run refuses an existing output path; a resumed run (`resume_dir`) reuses its own.
     """
     run_dir = resume_dir or run_dir_for(config)
-    if resume_dir is None and run_dir.exists():
-        raise InputError(f"{run_dir}: output already exists; choose a new run label (--label) or --out")
+    if resume_dir is None:
+        refuse_existing_output(run_dir)
     if config.tensorboard and Path(config.tensorboard).is_file():
         raise InputError(f"tensorboard {config.tensorboard}: is a file; give a directory for the "
                          "events files")

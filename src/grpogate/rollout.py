@@ -66,7 +66,8 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and attention mask [N, W], W rounded up to WIDTH_BUCKET, sequences flush right."""
     width = round_up(max(len(s) for s in sequences), WIDTH_BUCKET)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -114,7 +115,7 @@ def _decode_groups(model, prompts: list[list[int]], group_size: int, settings: S
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    input_ids, attention_mask = _left_pad(prompts, pad_id, device)
+    input_ids, attention_mask = left_pad(prompts, pad_id, device)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

@@ -204,7 +204,7 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
         """Log-probs [len(rows), T] and completion mask; rows are whole groups, group-major."""
         prompt_ids, prompt_mask, completion_ids, mask = pack_groups(
             [batch.prompt_token_ids[i] for i in rows[::group_size]],
-            [batch.completion_token_ids[i] for i in rows], group_size, pad_id, device)
+            [batch.completion_token_ids[i] for i in rows], pad_id, device)
         return (lambda: shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids,
                                                mask, group_size, settings.temperature)), mask
 
