@@ -347,3 +347,29 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_the_nucleus():
     sharp = torch.bincount(_sample(logits, 0.5, 1.0, generator), minlength=5).double() / 20_000
     expected = torch.tensor([0.25, 0.0625, 0.015625, 0.015625, 0.0], dtype=torch.float64)
     assert torch.allclose(sharp, expected / expected.sum(), atol=0.014)
+
+
+@pytest.mark.parametrize("block", [2, 3, 5])
+def test_two_level_sampling_is_exact_across_block_boundaries(block):
+    """Blocks of 2 and 3 split the 7-token vocabulary with a ragged last block; block 5 leaves a
+    2-token tail. Zero-probability tokens (ids 1 and 6, one of them alone in the tail for
+    block 3) are never drawn, and the frequencies follow the distribution."""
+    from grpogate.rollout import _sample
+
+    probs = torch.tensor([0.3, 0.0, 0.2, 0.1, 0.25, 0.15, 0.0])
+    logits = torch.log(probs).expand(40_000, -1)
+    generator = torch.Generator().manual_seed(1)
+    counts = torch.bincount(_sample(logits, 1.0, 1.0, generator, block=block),
+                            minlength=7).double() / 40_000
+    assert counts[1] == 0 and counts[6] == 0
+    # standard error <= sqrt(0.25 / 40000) = 0.0025; allow 4 of them.
+    assert torch.allclose(counts, probs.double(), atol=0.01)
+
+
+def test_sampling_leaves_the_callers_float32_logits_untouched():
+    from grpogate.rollout import _sample
+
+    logits = torch.randn(4, 50)
+    before = logits.clone()
+    _sample(logits, 0.7, 0.9, torch.Generator().manual_seed(0))
+    assert torch.equal(logits, before)

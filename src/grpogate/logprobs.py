@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from grpogate.rollout import WIDTH_BUCKET, cache_keyword, left_pad, round_up
+from grpogate.decoding import WIDTH_BUCKET, cache_keyword, left_pad, round_up
 
 
 

@@ -9,11 +9,11 @@ the records written to trajectories.jsonl. All prompts of a step are batched acr
 from __future__ import annotations
 
 import hashlib
-import inspect
 from dataclasses import dataclass
 
 import torch
 
+from grpogate.decoding import ROW_BUCKET, LeanStepper, ModelStepper, lean_decoder, round_up
 from grpogate.errors import InputError
 from grpogate.tasks import Problem
 
@@ -55,75 +55,69 @@ def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str,
     return encoded
 
 
-# bfloat16 matmuls on the CPU go through oneDNN, which builds a kernel for every new matrix shape
-# (seconds of warm-up spread over a run). Batch rows and prompt widths are therefore rounded
-# up to these multiples so that a run sees a handful of shapes, not hundreds.
-ROW_BUCKET = 8
-WIDTH_BUCKET = 16
+SAMPLE_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
 
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids and attention mask [N, W], W rounded up to WIDTH_BUCKET, sequences flush right."""
-    width = round_up(max(len(s) for s in sequences), WIDTH_BUCKET)
-    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        input_ids[row, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
-        attention_mask[row, width - len(sequence):] = 1
-    return input_ids.to(device), attention_mask.to(device)
-
-
-def cache_keyword(model) -> str:
-    """transformers 5 calls the KV cache argument `cache`; 4.x called it `past_key_values`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
+            block: int = SAMPLE_BLOCK) -> torch.Tensor:
     """logits [N, V] -> token ids [N], sampled at `temperature` within the top-p nucleus.
 
-    Inverse-CDF sampling: one uniform number per row and a search in the cumulative
-    distribution. torch.multinomial draws an exponential for every vocabulary entry (49,152
-    per row here) on one thread; measured, that was 29 % of all decoding time.
+    Inverse-CDF sampling with one uniform number per row, in two levels: pick a block of `block`
+    tokens by the cumulative block masses, then a token inside it. torch.multinomial draws an
+    exponential for every vocabulary entry (49,152 per row here) and a full float64 cumulative
+    sum costs as much again; measured, each was a fifth or more of all decoding time.
     """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # Unnormalized probabilities exp((x - max) / T), built in place in one float32 copy: the
+    # inverse CDF scales its draw by the total mass, so no normalization pass is needed.
+    scores = logits.to(torch.float32, copy=True)  # never the caller's tensor, even in float32
+    probs = scores.sub_(scores.amax(dim=-1, keepdim=True)).mul_(1.0 / temperature).exp_()  # [N, V]
     order = None
     if top_p < 1.0:
+        probs = probs.div_(probs.sum(dim=-1, keepdim=True))
         probs, order = probs.sort(dim=-1, descending=True)
         outside = probs.cumsum(-1) - probs > top_p  # keep the token that crosses top_p
         probs = probs.masked_fill(outside, 0.0)
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [N, V]; float64 keeps the tail exact
-    draw = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device,
+    rows, vocab = probs.shape
+    whole = vocab // block * block
+    masses = [probs[:, :whole].reshape(rows, -1, block).sum(-1)]  # float32 block sums [N, V / block]
+    if whole < vocab:
+        masses.append(probs[:, whole:].sum(-1, keepdim=True))
+    cdf = torch.cat(masses, dim=1).double().cumsum(dim=1)  # [N, blocks]
+    draw = torch.rand((rows, 1), generator=generator, device=probs.device,
                       dtype=torch.float64) * cdf[:, -1:]
-    chosen = torch.searchsorted(cdf, draw, right=True).clamp_(max=probs.shape[-1] - 1)  # [N, 1]
-    # A zero-probability token is never chosen: searchsorted(right=True) skips flat steps.
+    # searchsorted(right=True) never lands on a zero-mass step; rounding past the end is
+    # pulled back to the last block (or token) that has mass.
+    chosen_block = torch.minimum(torch.searchsorted(cdf, draw, right=True), _last_positive(cdf.diff(
+        dim=1, prepend=cdf.new_zeros(rows, 1))))  # [N, 1]
+    below = torch.where(chosen_block > 0, cdf.gather(1, (chosen_block - 1).clamp(min=0)), 0.0)
+    index = chosen_block * block + torch.arange(block, device=probs.device)  # [N, block]
+    inside = probs.gather(1, index.clamp(max=vocab - 1)).double() * (index < vocab)
+    within = torch.searchsorted(inside.cumsum(dim=1), draw - below, right=True)
+    chosen = index.gather(1, torch.minimum(within, _last_positive(inside)))  # [N, 1]
     return (order.gather(-1, chosen) if order is not None else chosen).squeeze(-1)
 
 
+def _last_positive(values: torch.Tensor) -> torch.Tensor:
+    """[N, K] non-negative -> [N, 1] index of each row's last positive entry."""
+    positions = torch.arange(values.shape[1], device=values.device)
+    return torch.where(values > 0, positions, 0).amax(dim=1, keepdim=True)
+
+
+def make_stepper(model, lean: bool = True):
+    """The lean decoder where it covers the model (see decoding.py), else the model's forward."""
+    decoder = lean_decoder(model) if lean else None
+    return LeanStepper(decoder) if decoder is not None else ModelStepper(model)
+
+
 @torch.no_grad()
-def _decode_groups(model, prompts: list[list[int]], group_size: int, settings: SamplingSettings,
-                   eos_ids: set[int], pad_id: int, generator, keyword: str) -> list[list[int]]:
+def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings: SamplingSettings,
+                   eos_ids: set[int], pad_id: int, generator, device) -> list[list[int]]:
     """Sample `group_size` continuations of each prompt; returns token lists, prompt-major.
 
     Each prompt is prefilled once and its KV cache repeated G times; a row that emits EOS leaves
     the batch (its cache rows are dropped), so finished sequences cost no further decode steps.
     """
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    input_ids, attention_mask = left_pad(prompts, pad_id, device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=True, logits_to_keep=1, **{keyword: cache})
-    cache.batch_repeat_interleave(group_size)
-    logits = output.logits[:, -1].repeat_interleave(group_size, dim=0)  # [N, V]
-    attention_mask = attention_mask.repeat_interleave(group_size, dim=0)  # [N, P]
-    positions = position_ids[:, -1].repeat_interleave(group_size, dim=0)  # [N]
+    logits = stepper.prefill(prompts, pad_id, group_size, settings.max_new_tokens)
     rows = torch.arange(logits.shape[0], device=device)  # original row of each batch row
     live = torch.ones(len(rows), dtype=torch.bool, device=device)  # not yet past EOS
     tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
@@ -142,20 +136,15 @@ def _decode_groups(model, prompts: list[list[int]], group_size: int, settings: S
         if target < len(live):
             keep = torch.cat([torch.nonzero(live).flatten(), torch.nonzero(~live).flatten()])[:target]
             keep = keep.sort().values
-            cache.batch_select_indices(keep)
+            stepper.select(keep)
             rows, chosen, live = rows[keep], chosen[keep], live[keep]
-            attention_mask, positions = attention_mask[keep], positions[keep]
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
-        positions = positions + 1
-        output = model(input_ids=chosen[:, None], attention_mask=attention_mask,
-                       position_ids=positions[:, None], use_cache=True, logits_to_keep=1,
-                       **{keyword: cache})
-        logits = output.logits[:, -1]
+        logits = stepper.step(chosen)
     return tokens
 
 
 def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], group_size: int,
-                         settings: SamplingSettings, seed: int, progress=None) -> list[Completion]:
+                         settings: SamplingSettings, seed: int, progress=None,
+                         lean: bool = True) -> list[Completion]:
     """Sample `group_size` completions for every prompt, batched across groups.
 
     A private generator seeded here makes the same (policy, prompts, seed) give the same
@@ -165,7 +154,7 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
     eos_ids = _eos_ids(model, tokenizer)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    keyword = cache_keyword(model)
+    stepper = make_stepper(model, lean)
     prompts_per_batch = max(1, settings.batch_size // group_size)
     completions: list[Completion] = []
     was_training = model.training
@@ -173,9 +162,8 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
     try:
         for start in range(0, len(prompt_token_ids), prompts_per_batch):
             chunk = list(range(start, min(start + prompts_per_batch, len(prompt_token_ids))))
-            sampled = _decode_groups(model, [prompt_token_ids[p] for p in chunk], group_size,
-                                     settings, eos_ids, tokenizer.pad_token_id, generator,
-                                     keyword)
+            sampled = _decode_groups(stepper, [prompt_token_ids[p] for p in chunk], group_size,
+                                     settings, eos_ids, tokenizer.pad_token_id, generator, device)
             for offset, tokens in enumerate(sampled):
                 prompt_index, sample_index = chunk[offset // group_size], offset % group_size
                 completion, stopped = _cut_at_eos(tokens, eos_ids)

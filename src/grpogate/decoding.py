@@ -1,0 +1,370 @@
+"""A lean forward for sampling from Llama-family models (Llama, Qwen2): the rollout's hot loop.
+
+At decode time transformers' forward spends about as long around the matrix products as in them
+(measured on SmolLM2 at batch 64: per-layer dtype copies, a KV cache grown by torch.cat each step,
+SDPA called on a one-token query). This module runs the same mathematics on the model's own
+weight tensors, as they are at the moment of the call:
+
+- q/k/v and gate/up are fused into one matrix product each (5 products per layer become 2),
+- the KV cache is allocated once for the whole rollout and written in place,
+- grouped-query attention is two batched matmuls over the filled part of the cache (K/V are never
+  repeated per head),
+- cos/sin tables come from the model's own rotary module, once per rollout.
+
+`lean_decoder(model)` returns None for anything it does not cover (another architecture, a
+sliding window, a length-dependent RoPE, LoRA layers that are active and unmerged, forward hooks),
+and the rollout then uses the model's forward (`ModelStepper`). Tests compare both paths' logits.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# bfloat16 matmuls on the CPU go through oneDNN, which builds a kernel for every new matrix shape
+# (seconds of warm-up spread over a run). Batch rows and prompt widths are therefore rounded
+# up to these multiples so that a run sees a handful of shapes, not hundreds.
+ROW_BUCKET = 8
+WIDTH_BUCKET = 16
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and attention mask [N, W], W rounded up to WIDTH_BUCKET, sequences flush right."""
+    width = round_up(max(len(s) for s in sequences), WIDTH_BUCKET)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        input_ids[row, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
+        attention_mask[row, width - len(sequence):] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def cache_keyword(model) -> str:
+    """transformers 5 calls the KV cache argument `cache`; 4.x called it `past_key_values`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+class ModelStepper:
+    """The model's own forward with a transformers DynamicCache: the path for any architecture.
+
+    Same interface as `LeanStepper`: prefill -> logits [N, V], step(tokens) -> logits,
+    select(rows). The prompt is prefilled once and its KV cache repeated G times.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.keyword = cache_keyword(model)
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], pad_id: int, group_size: int,
+                max_new_tokens: int) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        input_ids, attention_mask = left_pad(prompts, pad_id, self.model.device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        self.cache = DynamicCache(config=self.model.config)
+        output = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids, use_cache=True, logits_to_keep=1,
+                            **{self.keyword: self.cache})
+        self.cache.batch_repeat_interleave(group_size)
+        self.attention_mask = attention_mask.repeat_interleave(group_size, dim=0)  # [N, P]
+        self.positions = position_ids[:, -1].repeat_interleave(group_size, dim=0)  # [N]
+        return output.logits[:, -1].repeat_interleave(group_size, dim=0)  # [N, V]
+
+    @torch.no_grad()
+    def step(self, token_ids: torch.Tensor) -> torch.Tensor:
+        mask = self.attention_mask
+        self.attention_mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+        self.positions = self.positions + 1
+        output = self.model(input_ids=token_ids[:, None], attention_mask=self.attention_mask,
+                            position_ids=self.positions[:, None], use_cache=True,
+                            logits_to_keep=1, **{self.keyword: self.cache})
+        return output.logits[:, -1]
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+        self.attention_mask, self.positions = self.attention_mask[keep], self.positions[keep]
+
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+MASKED = -1e30  # additive attention mask; finite, so an all-masked (padding) query stays finite
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [D]
+    qkv: torch.Tensor  # [(H + 2 Hkv) d, D]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [D, H d]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [D]
+    gate_up: torch.Tensor  # [2 I, D]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [D, I]
+    down_bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class LeanDecoder:
+    embed: torch.Tensor  # [V, D]
+    layers: tuple[LayerWeights, ...]
+    norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [V, D]
+    lm_head_bias: torch.Tensor | None
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rotary: torch.nn.Module  # the model's rotary embedding: (x, position_ids) -> cos, sin
+
+
+def _plain_weights(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) a linear layer applies now; None if an active, unmerged LoRA adds to it."""
+    base = linear
+    if hasattr(linear, "lora_A") and hasattr(linear, "get_base_layer"):
+        active = [name for name in linear.active_adapters if name in linear.lora_A]
+        if active and not linear.disable_adapters and not linear.merged:
+            return None
+        base = linear.get_base_layer()
+    return base.weight, base.bias
+
+
+def _fuse(parts: list[tuple[torch.Tensor, torch.Tensor | None]]):
+    weight = torch.cat([w for w, _ in parts])
+    if all(b is None for _, b in parts):
+        return weight, None
+    bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
+    return weight, bias
+
+
+def lean_decoder(model) -> LeanDecoder | None:
+    """The model's current weights, fused for decoding, or None where this path does not apply."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return None  # a hook changes what a module returns; only the model's forward runs it
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return None
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return None
+    rotary = base.model.rotary_emb
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if "dynamic" in rope_type or rope_type == "longrope":  # tables would depend on the length
+        return None
+    linears = []
+    for block in base.model.layers:
+        attention, mlp = block.self_attn, block.mlp
+        linears.append([_plain_weights(m) for m in (attention.q_proj, attention.k_proj,
+                                                    attention.v_proj, attention.o_proj,
+                                                    mlp.gate_proj, mlp.up_proj, mlp.down_proj)])
+    head = _plain_weights(base.lm_head)
+    if head is None or any(part is None for layer in linears for part in layer):
+        return None
+    layers = []
+    with torch.no_grad():
+        for block, (q, k, v, o, gate, up, down) in zip(base.model.layers, linears):
+            qkv, qkv_bias = _fuse([q, k, v])
+            gate_up, gate_up_bias = _fuse([gate, up])
+            layers.append(LayerWeights(
+                block.input_layernorm.weight, qkv, qkv_bias, o[0], o[1],
+                block.post_attention_layernorm.weight, gate_up, gate_up_bias, down[0], down[1]))
+    heads = config.num_attention_heads
+    return LeanDecoder(
+        embed=base.model.embed_tokens.weight, layers=tuple(layers), norm=base.model.norm.weight,
+        lm_head=head[0], lm_head_bias=head[1], eps=config.rms_norm_eps, heads=heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        intermediate=config.intermediate_size, rotary=rotary)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' Llama/Qwen2 RMSNorm: normalize in float32, scale in the model dtype."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in transformers' layout (halves, not interleaved pairs); cos/sin [N, T, 1, d]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _attention(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """q [N, T, H, d], keys_t [N, Hkv, d, L], values [N, Hkv, L, d], additive mask [N, T, L]
+    -> [N, T, H d].
+
+    Query heads sharing a KV head are stacked as rows of one matmul, so K/V are read once; keys
+    are kept transposed so that a slice of the cache feeds the matmul without a copy (measured:
+    2.3x faster than transposing [L, d] slices). Softmax runs in float32, as in transformers.
+    """
+    n, t, h, d = q.shape
+    kv_heads, length = keys_t.shape[1], keys_t.shape[3]
+    g = h // kv_heads
+    grouped = q.reshape(n, t, kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(n, kv_heads, g * t, d)
+    scores = torch.matmul(grouped, keys_t).float()  # [N, Hkv, g T, L]
+    scores = scores.view(n, kv_heads, g, t, length) * scale + mask[:, None, None]
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(n, kv_heads, g * t, length)
+    out = torch.matmul(probs, values)  # [N, Hkv, g T, d]
+    return out.view(n, kv_heads, g, t, d).permute(0, 3, 1, 2, 4).reshape(n, t, h * d)
+
+
+def _layers(decoder: LeanDecoder, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            mask: torch.Tensor, attend) -> torch.Tensor:
+    """hidden [N, T, D] through every block; attend(i, k, v) -> (keys_t, values) layer i reads."""
+    n, t, _ = hidden.shape
+    h, kv, d, inter = decoder.heads, decoder.kv_heads, decoder.head_dim, decoder.intermediate
+    scale = d ** -0.5
+    for index, layer in enumerate(decoder.layers):
+        x = _rms_norm(hidden, layer.input_norm, decoder.eps)
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [N, T, (H + 2 Hkv) d]
+        qk = _rotate(qkv[..., :(h + kv) * d].view(n, t, h + kv, d), cos, sin)
+        keys_t, values = attend(index, qk[:, :, h:], qkv[..., (h + kv) * d:].view(n, t, kv, d))
+        attention = _attention(qk[:, :, :h], keys_t, values, mask, scale)
+        hidden = hidden + F.linear(attention, layer.o, layer.o_bias)
+        gate_up = F.linear(_rms_norm(hidden, layer.post_norm, decoder.eps), layer.gate_up,
+                           layer.gate_up_bias)  # [N, T, 2 I]
+        hidden = hidden + F.linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:],
+                                   layer.down, layer.down_bias)
+    return hidden
+
+
+def _causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, T] (1 real, 0 padding) -> additive mask [b, T, T]: causal, padding keys masked.
+
+    A padding query still attends to itself, so its (unused) output stays finite.
+    """
+    width = attention_mask.shape[1]
+    causal = torch.full((width, width), MASKED, device=attention_mask.device).triu(1)
+    padding = torch.where(attention_mask.bool(), 0.0, MASKED)
+    mask = (padding[:, None, :] + causal).clamp(min=MASKED)
+    mask.diagonal(dim1=-2, dim2=-1).zero_()
+    return mask
+
+
+def _logits(decoder: LeanDecoder, hidden_last: torch.Tensor) -> torch.Tensor:
+    return F.linear(_rms_norm(hidden_last, decoder.norm, decoder.eps), decoder.lm_head,
+                    decoder.lm_head_bias)
+
+
+def shared_prefix_length(prompts: list[list[int]]) -> int:
+    """Tokens every prompt starts with, leaving each at least one token of its own; rounded
+    down to WIDTH_BUCKET so that the prefix's matmuls keep known shapes."""
+    shortest = min(len(p) for p in prompts)
+    length = 0
+    while length < shortest - 1 and all(p[length] == prompts[0][length] for p in prompts):
+        length += 1
+    return length // WIDTH_BUCKET * WIDTH_BUCKET
+
+
+class LeanStepper:
+    """Prefill a batch of prompts once, repeat it G times, then decode one token per call.
+
+    Cache columns: [shared prefix | each prompt's suffix, left-padded | completion]. The prefix
+    the prompts have in common (system prompt and chat template, typically) is computed once at
+    batch 1; the suffixes at batch n attend to it (measured: prefill 4x cheaper on the default
+    task). State per layer: keys transposed [N, Hkv, d, C] and values [N, Hkv, C, d]; an
+    additive mask [N, C] (padding and not-yet-written columns), each row's position, the
+    filled columns. Decoding attends over the whole buffer, masked: bfloat16 bmm on the CPU
+    copies any non-contiguous operand, and a cache slice is one (measured: the copy cost more
+    than the masked columns).
+    """
+
+    def __init__(self, decoder: LeanDecoder):
+        self.decoder = decoder
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], pad_id: int, group_size: int,
+                max_new_tokens: int) -> torch.Tensor:
+        """n prompts' token lists -> next-token logits [n G, V], prompt-major."""
+        dec = self.decoder
+        n, rows = len(prompts), len(prompts) * group_size
+        dtype, device = dec.embed.dtype, dec.embed.device
+        shared = shared_prefix_length(prompts)
+        suffix_ids, suffix_mask = left_pad([p[shared:] for p in prompts], pad_id, device)
+        width = suffix_ids.shape[1]
+        capacity = shared + width + max_new_tokens
+        cos, sin = dec.rotary(dec.embed[:1], torch.arange(capacity, device=device)[None])
+        self.cos, self.sin = cos[0], sin[0]  # [C, d]
+        # Zeros, not empty: masked columns get probability 0, and 0 x NaN would still be NaN.
+        self.keys = [torch.zeros((rows, dec.kv_heads, dec.head_dim, capacity), dtype=dtype,
+                                 device=device) for _ in dec.layers]
+        self.values = [torch.zeros((rows, dec.kv_heads, capacity, dec.head_dim), dtype=dtype,
+                                   device=device) for _ in dec.layers]
+
+        def store(index, k, v, start):  # k/v [b, T, Hkv, d] for b in (1, n): into all G rows
+            k_t, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)  # [b, Hkv, d, T], [b, Hkv, T, d]
+            end = start + k.shape[1]
+            self.keys[index][..., start:end].view(k.shape[0], -1, *k_t.shape[1:]).copy_(k_t[:, None])
+            self.values[index][:, :, start:end].view(k.shape[0], -1, *v.shape[1:]).copy_(v[:, None])
+            return k_t, v
+
+        prefix = {}
+        if shared:
+            ids = torch.tensor([prompts[0][:shared]], device=device)
+            positions = torch.arange(shared, device=device)[None]
+
+            def attend_prefix(index, k, v):
+                prefix[index] = store(index, k, v, 0)
+                return prefix[index]
+
+            _layers(dec, F.embedding(ids, dec.embed), self.cos[positions][:, :, None],
+                    self.sin[positions][:, :, None], _causal_mask(torch.ones_like(ids)),
+                    attend_prefix)
+
+        def attend_suffix(index, k, v):
+            k_t, v = store(index, k, v, shared)
+            if not shared:
+                return k_t, v
+            prefix_k, prefix_v = prefix[index]
+            return (torch.cat([prefix_k.expand(n, -1, -1, -1), k_t], dim=-1),
+                    torch.cat([prefix_v.expand(n, -1, -1, -1), v], dim=-2))
+
+        positions = shared + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [n, W]
+        mask = torch.cat([torch.zeros((n, width, shared), device=device),
+                          _causal_mask(suffix_mask)], dim=-1)  # [n, W, shared + W]
+        hidden = _layers(dec, F.embedding(suffix_ids, dec.embed), self.cos[positions][:, :, None],
+                         self.sin[positions][:, :, None], mask, attend_suffix)
+        self.mask = torch.full((rows, capacity), MASKED, device=device)
+        self.mask[:, :shared] = 0.0
+        self.mask[:, shared:shared + width] = torch.where(
+            suffix_mask.bool(), 0.0, MASKED).repeat_interleave(group_size, dim=0)
+        self.positions = positions[:, -1].repeat_interleave(group_size, dim=0)  # [N]
+        self.filled = shared + width
+        return _logits(dec, hidden[:, -1]).repeat_interleave(group_size, dim=0)
+
+    @torch.no_grad()
+    def step(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [N] -> next-token logits [N, V]; their K/V go into the next cache column."""
+        column = self.filled
+        self.positions = self.positions + 1
+        cos, sin = self.cos[self.positions][:, None, None], self.sin[self.positions][:, None, None]
+
+        def attend(index, k, v):  # k/v [N, 1, Hkv, d]
+            self.keys[index][..., column] = k[:, 0]
+            self.values[index][:, :, column] = v[:, 0]
+            return self.keys[index], self.values[index]
+
+        self.mask[:, column] = 0.0
+        hidden = _layers(self.decoder, F.embedding(token_ids[:, None], self.decoder.embed), cos,
+                         sin, self.mask[:, None], attend)
+        self.filled = column + 1
+        return _logits(self.decoder, hidden[:, -1])
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only batch rows `keep` (sorted indices) in the cache."""
+        self.keys = [k.index_select(0, keep) for k in self.keys]
+        self.values = [v.index_select(0, keep) for v in self.values]
+        self.mask, self.positions = self.mask[keep], self.positions[keep]

@@ -1,0 +1,108 @@
+"""The lean decode forward against the model's own forward: same logits, same samples, and the
+cases where it must step aside (other architectures, active unmerged LoRA, hooks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+from grpogate.decoding import (LeanStepper, ModelStepper, lean_decoder, shared_prefix_length)
+from grpogate.policy import load_policy, sampling_weights
+from grpogate.rollout import SamplingSettings, generate_completions
+
+SIZES = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**SIZES)).eval()
+    return Qwen2ForCausalLM(Qwen2Config(**SIZES)).eval()  # q/k/v carry biases
+
+
+# No common prefix; then a 20-token common prefix (rounded down to 16) with ragged suffixes.
+PROMPT_SETS = [
+    [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11]],
+    [list(range(1, 21)) + [30, 31], list(range(1, 21)) + [40], list(range(1, 21)) + [50] * 19],
+]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("prompts", PROMPT_SETS)
+def test_lean_logits_equal_the_model_forward_through_prefill_decode_and_row_drops(kind, prompts):
+    model = tiny(kind)
+    decoder = lean_decoder(model)
+    assert decoder is not None
+    reference, lean = ModelStepper(model), LeanStepper(decoder)
+    group = 2
+    expected = reference.prefill(prompts, 0, group, 6)
+    got = lean.prefill(prompts, 0, group, 6)
+    assert got.shape == expected.shape == (len(prompts) * group, SIZES["vocab_size"])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, SIZES["vocab_size"], (len(expected),), generator=generator)
+    for step in range(5):
+        if step == 2:  # rows leave the batch, as finished completions do
+            keep = torch.tensor([0, 2, 3, 5])
+            reference.select(keep)
+            lean.select(keep)
+            tokens = tokens[keep]
+        expected, got = reference.step(tokens), lean.step(tokens)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        tokens = expected.argmax(-1)
+
+
+def test_shared_prefix_is_rounded_down_and_leaves_every_prompt_a_token():
+    assert shared_prefix_length([[1, 2, 3]] * 3) == 0  # 2 shared tokens round down to 0
+    assert shared_prefix_length([list(range(40)), list(range(40))]) == 32  # 39 (one kept) -> 32
+    assert shared_prefix_length([list(range(20)) + [7], list(range(20)) + [8]]) == 16
+    assert shared_prefix_length([list(range(17)), [0] + list(range(30))]) == 0
+    assert shared_prefix_length([list(range(16)), list(range(40))]) == 0  # 15 shared -> 0
+
+
+def test_generate_completions_samples_the_same_tokens_on_both_paths(tiny_config, tmp_path):
+    policy = load_policy(tiny_config(tmp_path), seed=0)
+    prompts = [policy.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+        for question in ("What is 3 + 4?", "What is 12 + 30?", "Name a prime.")]
+    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    settings = SamplingSettings(max_new_tokens=10, temperature=1.0, top_p=1.0, batch_size=8)
+    with sampling_weights(policy):
+        assert lean_decoder(policy.model) is not None
+        lean = generate_completions(policy.model, policy.tokenizer, prompts, 4, settings, seed=3)
+        model = generate_completions(policy.model, policy.tokenizer, prompts, 4, settings, seed=3,
+                                     lean=False)
+    assert [c.completion_token_ids for c in lean] == [c.completion_token_ids for c in model]
+    assert len(lean) == 12 and all(c.completion_token_ids for c in lean)
+
+
+def test_trained_lora_is_sampled_through_merged_weights_not_skipped(tiny_config, tmp_path):
+    policy = load_policy(tiny_config(tmp_path), seed=0)
+    with torch.no_grad():  # a trained adapter: B != 0, so the LoRA delta changes the logits
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.5)
+    assert lean_decoder(policy.model) is None  # active, unmerged LoRA: the lean path steps aside
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    expected = ModelStepper(policy.model).prefill(prompts, 0, 1, 2)  # adapter on, unmerged
+    with sampling_weights(policy):
+        got = LeanStepper(lean_decoder(policy.model)).prefill(prompts, 0, 1, 2)
+    with sampling_weights(policy, baseline=True):
+        baseline = LeanStepper(lean_decoder(policy.model)).prefill(prompts, 0, 1, 2)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert (got - baseline).abs().max() > 1e-2  # the delta mattered, and lean applied it
+
+
+def test_other_architectures_and_hooked_models_use_the_model_forward():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2))
+    assert lean_decoder(gpt2) is None
+    sliding = Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert lean_decoder(Qwen2ForCausalLM(sliding)) is None
+    model = tiny("llama")
+    handle = model.lm_head.register_forward_hook(lambda module, inputs, output: output + 1)
+    assert lean_decoder(model) is None
+    handle.remove()
+    assert lean_decoder(model) is not None
