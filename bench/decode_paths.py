@@ -1,0 +1,82 @@
+"""Generation tokens/s of grpogate's two decode paths, A against B in one process.
+
+    python bench/decode_paths.py [--rounds 3] [--prompts 8] [--group-size 8] [--max-new-tokens 48]
+
+The lean forward (decoding.LeanStepper) against the model's own forward (decoding.ModelStepper)
+on the benchmark's rollout workload: the bundled SmolLM2, chain_sum train prompts, G = 8,
+temperature 1.0, the merged-LoRA sampling weights, the run's dtype. Each round samples the same
+prompts with both paths, alternating which goes first, so machine noise falls on both; the
+decode ideal at the same batch (decode_ideal.py) is timed in the same process. Prints JSON: tokens/s
+per path and round, the totals, the lean ÷ model ratio and each path's peak fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def main() -> None:
+    import torch
+
+    import decode_ideal  # bench/ is sys.path[0] when this script runs
+    from grpogate.config import load_config
+    from grpogate.pipeline import load_problem_sets, sampling_settings
+    from grpogate.policy import default_cache_dir, load_policy, resolve_base_model, sampling_weights
+    from grpogate.rollout import encode_prompts, generate_completions
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    config = load_config("default", train_prompts=args.prompts * (args.rounds + 1),
+                         prompts_per_step=args.prompts, group_size=args.group_size,
+                         max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0)
+    train, _, _, _ = load_problem_sets(config)
+    policy = load_policy(config, seed=config.seed)
+    prompts = encode_prompts(policy.tokenizer, train, config.resolved_system_prompt(),
+                             config.max_prompt_tokens)
+    settings = sampling_settings(config)
+
+    def rollout(batch, lean: bool, seed: int) -> tuple[int, float]:
+        with sampling_weights(policy):
+            started = time.perf_counter()
+            completions = generate_completions(policy.model, policy.tokenizer, batch,
+                                               args.group_size, settings, seed=seed, lean=lean)
+            seconds = time.perf_counter() - started
+        return sum(len(c.completion_token_ids) for c in completions), seconds
+
+    rollout(prompts[:args.prompts], True, 0)  # warm-up: kernel creation for both paths' shapes
+    rollout(prompts[:args.prompts], False, 0)
+    rounds, totals = [], {"lean": [0, 0.0], "model": [0, 0.0]}
+    for index in range(args.rounds):
+        batch = prompts[(index + 1) * args.prompts:(index + 2) * args.prompts]
+        order = ["lean", "model"] if index % 2 == 0 else ["model", "lean"]
+        measured = {}
+        for path in order:
+            tokens, seconds = rollout(batch, path == "lean", seed=index + 1)
+            measured[path] = round(tokens / seconds, 1)
+            totals[path][0] += tokens
+            totals[path][1] += seconds
+        rounds.append(measured)
+    load_dir = resolve_base_model(config.model, "", default_cache_dir(config)).load_dir
+    ideal = decode_ideal.measure_ideal(load_dir, args.prompts * args.group_size, args.threads)
+    rate = {path: tokens / seconds for path, (tokens, seconds) in totals.items()}
+    print(json.dumps({
+        "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch."),
+        "batch": args.prompts * args.group_size, "rounds": rounds,
+        "tokens_per_second": {p: round(r, 1) for p, r in rate.items()},
+        "lean_over_model": round(rate["lean"] / rate["model"], 3),
+        "ideal_tokens_per_second": round(ideal["tokens_per_second"], 1),
+        "peak_fraction": {p: round(r / ideal["tokens_per_second"], 3) for p, r in rate.items()},
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
