@@ -25,7 +25,7 @@ def main() -> None:
     from grpogate.config import load_config
     from grpogate.pipeline import load_problem_sets, sampling_settings
     from grpogate.policy import default_cache_dir, load_policy, resolve_base_model, sampling_weights
-    from grpogate.rollout import encode_prompts, generate_completions
+    from grpogate.rollout import encode_prompts, generate_completions, make_stepper
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -48,7 +48,8 @@ def main() -> None:
         with sampling_weights(policy):
             started = time.perf_counter()
             completions = generate_completions(policy.model, policy.tokenizer, batch,
-                                               args.group_size, settings, seed=seed, lean=lean)
+                                               args.group_size, settings, seed=seed,
+                                               stepper=make_stepper(policy.model, lean))
             seconds = time.perf_counter() - started
         return sum(len(c.completion_token_ids) for c in completions), seconds
 

@@ -74,7 +74,7 @@ def test_generate_completions_samples_the_same_tokens_on_both_paths(tiny_config,
         assert lean_decoder(policy.model) is not None
         lean = generate_completions(policy.model, policy.tokenizer, prompts, 4, settings, seed=3)
         model = generate_completions(policy.model, policy.tokenizer, prompts, 4, settings, seed=3,
-                                     lean=False)
+                                     stepper=ModelStepper(policy.model))
     assert [c.completion_token_ids for c in lean] == [c.completion_token_ids for c in model]
     assert len(lean) == 12 and all(c.completion_token_ids for c in lean)
 

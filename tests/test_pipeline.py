@@ -134,6 +134,10 @@ def test_evidence_records_every_spec_quantity(finished):
     cost = timings["rollout_seconds"] + timings["verification_seconds"] + timings["update_seconds"]
     assert evidence["effective_trajectories_per_second"] == pytest.approx(16 / cost)
     assert 0.0 <= rollout["max_length_hit_ratio"] <= 1.0
+    # The tiny Llama is sampled through the lean decoder (merged LoRA weights); each step says so.
+    assert rollout["decode_paths"] == ["lean"]
+    assert [s["decode_path"] for s in evidence["steps"]] == ["lean"] * STEPS
+    assert rollout["generation_tokens_per_second"] > 0
     assert update["clip_epsilon"] == config.clip_epsilon and update["kl_coef"] == config.kl_coef
     assert update["mean_kl"] >= 0.0
     assert 0.0 <= update["clip_fraction"] <= 1.0

@@ -62,6 +62,8 @@ class ModelStepper:
     select(rows). The prompt is prefilled once and its KV cache repeated G times.
     """
 
+    name = "model-forward"  # recorded in the evidence: which forward produced the samples
+
     def __init__(self, model):
         self.model = model
         self.keyword = cache_keyword(model)
@@ -284,6 +286,8 @@ class LeanStepper:
     copies a non-contiguous operand, and a cache slice is one (score matmul at batch 64: 70
     against 109 us; over a whole rollout the two were within noise).
     """
+
+    name = "lean"
 
     def __init__(self, decoder: LeanDecoder):
         self.decoder = decoder

@@ -142,6 +142,7 @@ def rollout_evidence(trajectories: list[dict], steps: list[dict], seconds: dict,
     return {"group_size": group_size, **summary, "rollout_seconds": seconds["rollout"],
             "verification_seconds": seconds["verification"], "generated_tokens": generated,
             "generation_tokens_per_second": generated / seconds["rollout"] if seconds["rollout"] else 0.0,
+            "decode_paths": sorted({s["decode_path"] for s in steps if "decode_path" in s}),
             "verifier_errors": verifier_errors}
 
 

@@ -144,17 +144,18 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
 
 def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], group_size: int,
                          settings: SamplingSettings, seed: int, progress=None,
-                         lean: bool = True) -> list[Completion]:
+                         stepper=None) -> list[Completion]:
     """Sample `group_size` completions for every prompt, batched across groups.
 
     A private generator seeded here makes the same (policy, prompts, seed) give the same
     completions: the baseline and the candidate see the same seeds in the re-test. The model is
-    used as it is: callers choose the weights (see `policy.sampling_weights`).
+    used as it is: callers choose the weights (see `policy.sampling_weights`). `stepper` is the
+    decode forward (default: `make_stepper(model)`, built from the weights as they are now).
     """
     eos_ids = _eos_ids(model, tokenizer)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    stepper = make_stepper(model, lean)
+    stepper = stepper or make_stepper(model)
     prompts_per_batch = max(1, settings.batch_size // group_size)
     completions: list[Completion] = []
     was_training = model.training

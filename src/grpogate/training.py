@@ -25,7 +25,7 @@ from grpogate.interrupts import StopRequest
 from grpogate.policy import (Policy, current_version, reference_mode, sampling_weights,
                              trainable_parameters)
 from grpogate.rollout import (SamplingSettings, contract_groups, generate_completions,
-                              score_completions, trajectory_records)
+                              make_stepper, score_completions, trajectory_records)
 from grpogate.update import (NonFiniteUpdate, UpdateFailed, UpdateSettings, build_update_batch,
                              update_with_retry)
 
@@ -111,10 +111,11 @@ def train(policy: Policy, admission: Admission, prompts: list[list[int]], log: J
         started = time.perf_counter()
         with reporter.task(f"step {step + 1}/{config.steps} rollout",
                            len(problems) * config.group_size) as advance, sampling_weights(policy):
+            stepper = make_stepper(policy.model)
             completions = generate_completions(policy.model, policy.tokenizer,
                                                prompts[begin:begin + len(problems)],
                                                config.group_size, settings, config.seed + step,
-                                               advance)
+                                               advance, stepper)
         rollout_seconds = time.perf_counter() - started
         started = time.perf_counter()
         errors_before = verifier.error_count
@@ -170,7 +171,7 @@ def train(policy: Policy, admission: Admission, prompts: list[list[int]], log: J
             "valid_group_count": step_summary["valid_group_count"],
             "valid_group_ratio": step_summary["valid_group_ratio"],
             "max_length_hit_ratio": step_summary["max_length_hit_ratio"],
-            "generated_tokens": generated,
+            "generated_tokens": generated, "decode_path": stepper.name,
             "generation_tokens_per_second": generated / rollout_seconds if rollout_seconds else 0.0,
             "rollout_seconds": rollout_seconds, "verification_seconds": verification_seconds,
             "update_seconds": update_seconds, "micro_batch_size": update.micro_batch_size,
