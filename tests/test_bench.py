@@ -200,3 +200,26 @@ def test_a_failed_child_is_reported_not_fatal(tmp_path):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"threads": 1}))
     assert grpo_vs_trl.run_child("no-such-system", spec, tmp_path / "child", threads=1) is None
+
+
+GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+@pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason=f"GSM8K not found at {GSM8K_DIR}")
+def test_gpu_check_runs_end_to_end_on_a_tiny_qwen2(tiny_model_dir, tmp_path):
+    """The script prepared for the GPU machine, at --tiny sizes on the CPU: a random Qwen2 (the
+    GPU run's architecture, with its 151,936-token vocabulary), the forced reward pattern, and
+    the figures the check reports."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_check.py"), "--tokenizer", str(tiny_model_dir),
+         "--gsm8k", str(GSM8K_DIR), "--out", str(tmp_path / "check"), "--tiny"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout[done.stdout.index("{"):])
+    assert report["tiny"] is True and report["steps"] == 1
+    assert report["update_count"] == 4  # 4 prompts, every group valid, one update per group
+    assert report["decode_paths"] == ["lean"]  # Qwen2 takes the lean decoder
+    assert report["generated_tokens"] > 0 and report["generation_tokens_per_second"] > 0
+    assert report["peak_allocated_gib"] > 0
+    evidence = json.loads((tmp_path / "check" / "run" / "evidence.json").read_text())
+    assert evidence["config"]["model"].endswith("model") and evidence["status"] == "ok"
