@@ -82,13 +82,13 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
     masses = [probs[:, :whole].reshape(rows, -1, block).sum(-1)]  # float32 block sums [N, V / block]
     if whole < vocab:
         masses.append(probs[:, whole:].sum(-1, keepdim=True))
-    cdf = torch.cat(masses, dim=1).double().cumsum(dim=1)  # [N, blocks]
+    mass = torch.cat(masses, dim=1).double()  # [N, blocks]
+    cdf = mass.cumsum(dim=1)
     draw = torch.rand((rows, 1), generator=generator, device=probs.device,
                       dtype=torch.float64) * cdf[:, -1:]
     # searchsorted(right=True) never lands on a zero-mass step; rounding past the end is
     # pulled back to the last block (or token) that has mass.
-    chosen_block = torch.minimum(torch.searchsorted(cdf, draw, right=True), _last_positive(cdf.diff(
-        dim=1, prepend=cdf.new_zeros(rows, 1))))  # [N, 1]
+    chosen_block = torch.minimum(torch.searchsorted(cdf, draw, right=True), _last_positive(mass))
     below = torch.where(chosen_block > 0, cdf.gather(1, (chosen_block - 1).clamp(min=0)), 0.0)
     index = chosen_block * block + torch.arange(block, device=probs.device)  # [N, block]
     inside = probs.gather(1, index.clamp(max=vocab - 1)).double() * (index < vocab)
