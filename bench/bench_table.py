@@ -144,7 +144,11 @@ def format_table(table: dict) -> str:
     lines += ["", f"ideal decode step ({ideal['linear_maps']} linear maps, batch {ideal['batch_size']}, "
               f"no attention): " + ", ".join(f"{d} {m['tokens_per_second']:.0f} tokens/s"
                                               for d, m in ideal["by_dtype"].items())
-              + f"; peak fractions use {ideal['dtype']}"]
+              + f"; peak fractions use {ideal['dtype']}"
+              + (", the fastest of {} timings ({})".format(
+                  len(ideal["timings_tokens_per_second"]),
+                  ", ".join(f"{t:.0f}" for t in ideal["timings_tokens_per_second"]))
+                 if "timings_tokens_per_second" in ideal else "")]
     rewards = table["heldout_mean_reward"]
     if "baseline" in rewards:
         lines.append(f"held-out baseline (untrained) mean reward: {rewards['baseline']:.3f}")

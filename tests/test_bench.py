@@ -112,6 +112,22 @@ def test_without_trl_the_table_has_grpogate_and_the_ideal_only():
     assert "grpogate" in bench_table.format_table(table)
 
 
+def test_the_ideal_is_the_fastest_of_its_timings_and_the_table_shows_each():
+    import decode_ideal
+
+    def timing(tokens_per_second):
+        return {"tokens_per_second": tokens_per_second, "dtype": "bfloat16", "batch_size": 64,
+                "linear_maps": 211, "by_dtype": {"bfloat16": {"tokens_per_second": tokens_per_second}}}
+
+    ideal = decode_ideal.fastest(timing(1473.0), timing(1978.0))
+    assert ideal["tokens_per_second"] == 1978.0
+    assert ideal["timings_tokens_per_second"] == [1473.0, 1978.0]
+    results = {"grpogate": _result([10.0], 989.0, 2.0, 1.0, valid_groups=6)}
+    table = bench_table.build_table({"seed": 0, "eval_samples": 2}, results, ideal, None)
+    assert table["generation_peak_fraction"] == pytest.approx(0.5)  # 989 / 1978, not / 1473
+    assert "the fastest of 2 timings (1473, 1978)" in bench_table.format_table(table)
+
+
 def test_valid_groups_counts_prompts_whose_rewards_differ():
     pairs = [("a", 0.0), ("a", 1.0), ("b", 0.0), ("b", 0.0), ("c", 1.0), ("c", 1.0)]
     assert trl_side.valid_groups(pairs) == (1, 3)
