@@ -32,11 +32,11 @@ from grpogate.evaluate import evaluate_policy
 from grpogate.evidence import (JsonlLog, atomic_directory, atomic_write_bytes, atomic_write_json,
                                build_manifest, create_run_dir, jsonl_bytes, library_versions,
                                read_baseline_manifest, read_jsonl, refuse_existing_output,
-                               remove_staging)
+                               remove_staging, sha256_path)
 from grpogate.interrupts import RunInterrupted, StopRequest, stop_on_signals
 from grpogate.policy import (Policy, current_version, load_policy, sampling_weights,
                              resolve_base_model, default_cache_dir, check_adapter_dir,
-                             save_adapter, sha256_file, trainable_parameters)
+                             save_adapter, trainable_parameters)
 from grpogate.rollout import encode_prompts
 from grpogate import tasks
 from grpogate.tasks import Problem
@@ -340,7 +340,7 @@ def _execute(admission: Admission, reporter, stop: StopRequest,
     if status == "ok" and (rollout["valid_group_count"] == 0 or update["update_count"] == 0):
         status = "no_effective_update"
     # The artifact counts only if the file on disk still hashes to what we recorded.
-    on_disk = sha256_file(run_dir / "adapter" / "adapter_model.safetensors")
+    on_disk = sha256_path(run_dir / "adapter" / "adapter_model.safetensors")
     evidence = {
         "grpogate_evidence_version": 1,
         "run_label": run_label,

@@ -28,19 +28,12 @@ from safetensors.torch import load_file
 
 from grpogate.config import BUNDLED_MODEL, RunConfig
 from grpogate.errors import InputError
+from grpogate.evidence import sha256_path
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 TRAINABLE = "default"
 REFERENCE = "reference"
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def policy_version(base_sha256: str, adapter_sha256: str | None) -> str:
@@ -105,7 +98,7 @@ def _weights_sha256(directory: Path) -> str:
         raise InputError(f"{directory}: no model weights (*.safetensors) in this directory")
     digest = hashlib.sha256()
     for path in files:
-        digest.update(f"{path.name}:{sha256_file(path)}\n".encode())
+        digest.update(f"{path.name}:{sha256_path(path)}\n".encode())
     return digest.hexdigest()
 
 
@@ -147,7 +140,7 @@ def resolve_base_model(model: str, revision: str, cache_root: Path) -> BaseModel
         if not gguf.is_file():
             raise InputError(f"{model}: no such GGUF file")
         _check_gguf(gguf)
-        digest = sha256_file(gguf)
+        digest = sha256_path(gguf)
         return BaseModelSource("gguf", str(gguf), str(_dequantized_cache(gguf, digest, cache_root)),
                                digest, spec=model)
     path = Path(model)
@@ -252,7 +245,7 @@ def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -
     adapter_sha = None
     if adapter:
         adapter_dir = check_adapter_dir(adapter)
-        adapter_sha = sha256_file(adapter_dir / ADAPTER_WEIGHTS)
+        adapter_sha = sha256_path(adapter_dir / ADAPTER_WEIGHTS)
         model = PeftModel.from_pretrained(model, adapter_dir, adapter_name=TRAINABLE,
                                           is_trainable=True, use_safetensors=True)
         model.load_adapter(adapter_dir, adapter_name=REFERENCE, is_trainable=False)
@@ -329,7 +322,7 @@ def sampling_weights(policy: Policy, baseline: bool = False):
 def save_adapter(policy: Policy, directory: Path) -> str:
     """Write the trainable adapter in PEFT format; return the sha256 of its weights file."""
     policy.model.save_pretrained(directory, selected_adapters=[TRAINABLE], safe_serialization=True)
-    return sha256_file(directory / ADAPTER_WEIGHTS)
+    return sha256_path(directory / ADAPTER_WEIGHTS)
 
 
 def load_adapter_state(directory: Path) -> dict[str, torch.Tensor]:
