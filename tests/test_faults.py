@@ -8,14 +8,15 @@ finish — and the adapter that is kept must be the last good one.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import alternating_rewards
 
 from grpogate import pipeline, training
 from grpogate import update as update_module
+from grpogate.evidence import read_jsonl
 from grpogate.policy import (current_version, load_adapter_state, load_policy, policy_version,
                              reference_mode, tensors_sha256, trainable_parameters)
 from grpogate.rollout import encode_prompts
@@ -23,14 +24,6 @@ from grpogate.update import (UpdateBatch, UpdateFailed, UpdateSettings, grpo_upd
                              is_out_of_memory, update_with_retry)
 
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-
-
-def alternating_rewards(completions, problems, verifier):
-    return [1.0 if c.sample_index % 2 == 0 else 0.0 for c in completions]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def saved_adapter_version(run_dir: Path, evidence: dict) -> str:

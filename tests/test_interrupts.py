@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from grpogate import decisions, pipeline, training
 from grpogate.audit import audit_run
 from grpogate.cli import app
+from grpogate.evidence import read_jsonl
 from grpogate.interrupts import stop_on_signals
 
 SIZES = {"train_prompts": 6, "prompts_per_step": 2, "eval_prompts": 2, "group_size": 4,
@@ -31,10 +32,6 @@ def cli_args(model_dir: Path, out: Path) -> list[str]:
     for key, value in SIZES.items():
         args += ["--set", f"{key}={json.dumps(value)}"]
     return args
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.mark.parametrize("signal_number, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)],

@@ -10,34 +10,23 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+from helpers import alternating_rewards, sha256
 
 from grpogate import decisions, pipeline, training
 from grpogate.config import load_config
 from grpogate.errors import InputError
+from grpogate.evidence import read_jsonl
 from grpogate.policy import load_policy
 
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 needs_gsm8k = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason=f"GSM8K not found at {GSM8K_DIR}")
 
 TRAIN_PROMPTS, GROUP_SIZE, STEPS = 4, 4, 2
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def alternating_rewards(completions, problems, verifier):
-    return [1.0 if c.sample_index % 2 == 0 else 0.0 for c in completions]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def file_states(directory: Path) -> dict[str, tuple[str, int]]:

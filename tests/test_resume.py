@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import sha256
 from typer.testing import CliRunner
 
 from grpogate.audit import audit_run
@@ -107,10 +108,6 @@ def wait_for(predicate, process: subprocess.Popen, timeout: float = 300.0) -> fl
 
 def checkpoints(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def tree(directory: Path) -> dict[str, str]:

@@ -5,19 +5,14 @@ also dequantizes the GGUF into the cache). It checks what the issue's "done when
 and evidence, manifest, trajectories and adapter files that agree with each other.
 """
 
-import hashlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import sha256
 
 pytestmark = pytest.mark.slow
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.fixture(scope="module")
