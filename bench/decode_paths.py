@@ -25,7 +25,8 @@ def main() -> None:
     from grpogate.config import load_config
     from grpogate.pipeline import load_problem_sets, sampling_settings
     from grpogate.policy import default_cache_dir, load_policy, resolve_base_model, sampling_weights
-    from grpogate.rollout import encode_prompts, generate_completions, make_stepper
+    from grpogate.decoding import make_stepper
+    from grpogate.rollout import encode_prompts, generate_completions
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)

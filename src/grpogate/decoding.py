@@ -375,3 +375,9 @@ class LeanStepper:
         self.keys = [k.index_select(0, keep) for k in self.keys]
         self.values = [v.index_select(0, keep) for v in self.values]
         self.mask, self.positions = self.mask[keep], self.positions[keep]
+
+
+def make_stepper(model, lean: bool = True):
+    """The lean decoder where it covers the model, else the model's own forward."""
+    decoder = lean_decoder(model) if lean else None
+    return LeanStepper(decoder) if decoder is not None else ModelStepper(model)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpogate.decoding import ROW_BUCKET, LeanStepper, ModelStepper, lean_decoder, round_up
+from grpogate.decoding import ROW_BUCKET, make_stepper, round_up
 from grpogate.errors import InputError
 from grpogate.tasks import Problem
 
@@ -101,12 +101,6 @@ def _last_positive(values: torch.Tensor) -> torch.Tensor:
     """[N, K] non-negative -> [N, 1] index of each row's last positive entry."""
     positions = torch.arange(values.shape[1], device=values.device)
     return torch.where(values > 0, positions, 0).amax(dim=1, keepdim=True)
-
-
-def make_stepper(model, lean: bool = True):
-    """The lean decoder where it covers the model (see decoding.py), else the model's forward."""
-    decoder = lean_decoder(model) if lean else None
-    return LeanStepper(decoder) if decoder is not None else ModelStepper(model)
 
 
 @torch.no_grad()

@@ -20,12 +20,13 @@ from rich.markup import escape
 
 from grpogate import decisions, metrics
 from grpogate.config import RunConfig
+from grpogate.decoding import make_stepper
 from grpogate.evidence import JsonlLog
 from grpogate.interrupts import StopRequest
 from grpogate.policy import (Policy, current_version, reference_mode, sampling_weights,
                              trainable_parameters)
 from grpogate.rollout import (SamplingSettings, contract_groups, generate_completions,
-                              make_stepper, score_completions, trajectory_records)
+                              score_completions, trajectory_records)
 from grpogate.update import (NonFiniteUpdate, UpdateFailed, UpdateSettings, build_update_batch,
                              update_with_retry)
 
