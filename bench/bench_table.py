@@ -141,10 +141,13 @@ def format_table(table: dict) -> str:
             cells.append(f"{ratio:>24}")
         lines.append("  ".join([f"{label:26}"] + cells))
     ideal = table["ideal"]
+    kernels = ideal.get("by_kernel") or [{"dtype": d, **m} for d, m in ideal["by_dtype"].items()]
     lines += ["", f"ideal decode step ({ideal['linear_maps']} linear maps, batch {ideal['batch_size']}, "
-              f"no attention): " + ", ".join(f"{d} {m['tokens_per_second']:.0f} tokens/s"
-                                              for d, m in ideal["by_dtype"].items())
+              f"no attention): " + ", ".join(
+                  f"{m['dtype']}{' ' + m['kernel'] if 'kernel' in m else ''} "
+                  f"{m['tokens_per_second']:.0f} tokens/s" for m in kernels)
               + f"; peak fractions use {ideal['dtype']}"
+              + (f" {ideal['kernel']}" if "kernel" in ideal else "")
               + (", the fastest of {} timings ({})".format(
                   len(ideal["timings_tokens_per_second"]),
                   ", ".join(f"{t:.0f}" for t in ideal["timings_tokens_per_second"]))

@@ -4,7 +4,9 @@ One decode step of a batch of B sequences multiplies a [B, in] activation by eve
 of the model (all layers' q, k, v, o, gate, up, down and the LM head). Timing just those products,
 with no attention, sampling or framework code around them, gives the tokens/s that generation
 could reach on this CPU if everything else were free; generation tokens/s divided by it is the
-generation peak fraction.
+generation peak fraction. The products are timed with every kernel grpogate's decoder can use
+(F.linear, and oneDNN on prepacked bfloat16 weights where the CPU has it), and the fastest
+counts: an ideal slower than the decoder's own kernels would flatter the fraction.
 
     python bench/decode_ideal.py [--batch-size 64] [--threads N]   # prints the ideal as JSON
 """
@@ -30,34 +32,27 @@ def linear_shapes(load_dir: str) -> list[tuple[int, int]]:
     return [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
-def bf16_supported() -> bool:
-    """oneDNN bfloat16 kernels (avx512_bf16 / AMX on x86): bfloat16 is then a fast CPU dtype."""
-    import torch
-
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def decode_step_tokens_per_second(shapes: list[tuple[int, int]], batch_size: int, dtype,
-                                  round_seconds: float = 1.0, rounds: int = 5) -> dict:
+                                  round_seconds: float = 1.0, rounds: int = 5,
+                                  packed: bool = False) -> dict:
     """Ideal decode tokens/s = batch_size / seconds of one pass over every linear map.
 
     After a warm-up, `rounds` rounds of many passes are timed and the best round counts: noise
     from other processes only ever slows a round down, so the minimum is the machine's ideal.
+    `packed`: the weights prepacked for oneDNN (grpogate.decoding.prepack), as the decoder runs them.
     """
     import torch
-    import torch.nn.functional as F
+
+    from grpogate.decoding import linear, prepack
 
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(out, inp, generator=generator) * 0.02).to(dtype) for inp, out in shapes]
     inputs = {inp: torch.randn(batch_size, inp, generator=generator).to(dtype) for inp, _ in shapes}
-    pairs = [(inputs[w.shape[1]], w) for w in weights]  # x [B, in] @ w[out, in].T -> [B, out]
+    pairs = [(inputs[w.shape[1]], prepack(w) if packed else w) for w in weights]  # [B, in] -> [B, out]
 
     def one_step():
         for x, w in pairs:
-            F.linear(x, w)
+            linear(x, w, None)
 
     with torch.inference_mode():
         for _ in range(3):
@@ -72,22 +67,34 @@ def decode_step_tokens_per_second(shapes: list[tuple[int, int]], batch_size: int
                 one_step()
             best = min(best, (time.perf_counter() - started) / repeats)
     return {"dtype": str(dtype).removeprefix("torch."), "batch_size": batch_size,
+            "kernel": "oneDNN prepacked" if packed else "F.linear",
             "linear_maps": len(shapes), "seconds_per_decode_step": best,
             "tokens_per_second": batch_size / best, "repeats_per_round": repeats, "rounds": rounds}
 
 
 def measure_ideal(load_dir: str, batch_size: int, threads: int, round_seconds: float = 1.0) -> dict:
-    """Time float32 and, where the CPU has bfloat16 kernels, bfloat16; the faster is the ideal."""
+    """Time float32 and, where the CPU has bfloat16 kernels, bfloat16 with F.linear and with
+    prepacked weights; the fastest is the ideal. `by_dtype` keeps each dtype's fastest kernel."""
     import torch
+
+    from grpogate.decoding import bf16_kernels_available, can_prepack
 
     torch.set_num_threads(threads)
     shapes = linear_shapes(load_dir)
     measured = [decode_step_tokens_per_second(shapes, batch_size, torch.float32, round_seconds)]
-    if bf16_supported():
+    bf16 = bf16_kernels_available()
+    if bf16:
         measured.append(decode_step_tokens_per_second(shapes, batch_size, torch.bfloat16, round_seconds))
+        if can_prepack(torch.zeros(1, dtype=torch.bfloat16)):
+            measured.append(decode_step_tokens_per_second(shapes, batch_size, torch.bfloat16,
+                                                          round_seconds, packed=True))
     best = max(measured, key=lambda m: m["tokens_per_second"])
-    return {**best, "by_dtype": {m["dtype"]: m for m in measured},
-            "bf16_supported": bf16_supported(), "threads": threads}
+    by_dtype = {}
+    for m in sorted(measured, key=lambda m: m["tokens_per_second"]):
+        by_dtype[m["dtype"]] = m  # the faster kernel of a dtype overwrites the slower
+    return {**best, "by_dtype": by_dtype, "by_kernel": [
+        {"dtype": m["dtype"], "kernel": m["kernel"], "tokens_per_second": m["tokens_per_second"]}
+        for m in measured], "bf16_supported": bf16, "threads": threads}
 
 
 def fastest(*measured: dict) -> dict:

@@ -1,13 +1,14 @@
-"""Generation tokens/s of grpogate's two decode paths, A against B in one process.
+"""Generation tokens/s of grpogate's decode paths, A against B in one process.
 
-    python bench/decode_paths.py [--rounds 3] [--prompts 8] [--group-size 8] [--max-new-tokens 48]
+    python bench/decode_paths.py [--rounds 3] [--paths lean,lean-plain,model] [--prompts 8] ...
 
-The lean forward (decoding.LeanStepper) against the model's own forward (decoding.ModelStepper)
-on the benchmark's rollout workload: the bundled SmolLM2, chain_sum train prompts, G = 8,
-temperature 1.0, the merged-LoRA sampling weights, the run's dtype. Each round samples the same
-prompts with both paths, alternating which goes first, so machine noise falls on both; the
-decode ideal at the same batch (decode_ideal.py) is timed in the same process. Prints JSON: tokens/s
-per path and round, the totals, the lean ÷ model ratio and each path's peak fraction.
+Paths: `lean` (decoding.LeanStepper, weights prepacked where the CPU allows), `lean-plain` (the
+same without prepacking) and `model` (decoding.ModelStepper, the model's own forward), on the
+benchmark's rollout workload: the bundled SmolLM2, chain_sum train prompts, G = 8, temperature
+1.0, the merged-LoRA sampling weights, the run's dtype. Each round samples the same prompts with
+every path, rotating which goes first, so machine noise falls on all; the decode ideal at the
+same batch (decode_ideal.py) is timed in the same process. Prints JSON: tokens/s per path and
+round, the totals, each path ÷ the last one and each path's peak fraction.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import argparse
 import json
 import os
 import time
+
+
+PATHS = {"lean": {"lean": True, "pack": True}, "lean-plain": {"lean": True, "pack": False},
+         "model": {"lean": False}}
 
 
 def main() -> None:
@@ -30,6 +35,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--paths", default="lean,lean-plain,model",
+                        help="comma-separated, from: " + ", ".join(PATHS))
     parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -45,24 +52,28 @@ def main() -> None:
                              config.max_prompt_tokens)
     settings = sampling_settings(config)
 
-    def rollout(batch, lean: bool, seed: int) -> tuple[int, float]:
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not paths or any(p not in PATHS for p in paths):
+        parser.error(f"--paths: choose from {', '.join(PATHS)}")
+
+    def rollout(batch, path: str, seed: int) -> tuple[int, float]:
         with sampling_weights(policy):
-            started = time.perf_counter()
+            started = time.perf_counter()  # the stepper (fusing, prepacking) is rollout time
             completions = generate_completions(policy.model, policy.tokenizer, batch,
                                                args.group_size, settings, seed=seed,
-                                               stepper=make_stepper(policy.model, lean))
+                                               stepper=make_stepper(policy.model, **PATHS[path]))
             seconds = time.perf_counter() - started
         return sum(len(c.completion_token_ids) for c in completions), seconds
 
-    rollout(prompts[:args.prompts], True, 0)  # warm-up: kernel creation for both paths' shapes
-    rollout(prompts[:args.prompts], False, 0)
-    rounds, totals = [], {"lean": [0, 0.0], "model": [0, 0.0]}
+    for path in paths:  # warm-up: kernel creation for every path's shapes
+        rollout(prompts[:args.prompts], path, 0)
+    rounds, totals = [], {path: [0, 0.0] for path in paths}
     for index in range(args.rounds):
         batch = prompts[(index + 1) * args.prompts:(index + 2) * args.prompts]
-        order = ["lean", "model"] if index % 2 == 0 else ["model", "lean"]
+        order = paths[index % len(paths):] + paths[:index % len(paths)]
         measured = {}
         for path in order:
-            tokens, seconds = rollout(batch, path == "lean", seed=index + 1)
+            tokens, seconds = rollout(batch, path, seed=index + 1)
             measured[path] = round(tokens / seconds, 1)
             totals[path][0] += tokens
             totals[path][1] += seconds
@@ -74,7 +85,7 @@ def main() -> None:
         "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch."),
         "batch": args.prompts * args.group_size, "rounds": rounds,
         "tokens_per_second": {p: round(r, 1) for p, r in rate.items()},
-        "lean_over_model": round(rate["lean"] / rate["model"], 3),
+        f"over_{paths[-1]}": {p: round(r / rate[paths[-1]], 3) for p, r in rate.items()},
         "ideal_tokens_per_second": round(ideal["tokens_per_second"], 1),
         "peak_fraction": {p: round(r / ideal["tokens_per_second"], 3) for p, r in rate.items()},
     }, indent=2))

@@ -155,6 +155,25 @@ def test_decode_ideal_times_every_linear_map():
     assert measured["tokens_per_second"] == pytest.approx(4 / measured["seconds_per_decode_step"])
 
 
+def test_the_ideal_times_every_kernel_the_decoder_can_use_and_keeps_the_fastest(tiny_model_dir):
+    import torch
+    from decode_ideal import measure_ideal
+
+    from grpogate.decoding import can_prepack
+
+    ideal = measure_ideal(str(tiny_model_dir), 4, torch.get_num_threads(), round_seconds=0.01)
+    kernels = {(m["dtype"], m["kernel"]) for m in ideal["by_kernel"]}
+    assert ("float32", "F.linear") in kernels
+    if can_prepack(torch.zeros(1, dtype=torch.bfloat16)):
+        assert {("bfloat16", "F.linear"), ("bfloat16", "oneDNN prepacked")} <= kernels
+    assert ideal["tokens_per_second"] == max(m["tokens_per_second"] for m in ideal["by_kernel"])
+    table = bench_table.build_table({"seed": 0, "eval_samples": 2}, {
+        "grpogate": _result([10.0], 100.0, 2.0, 1.0, valid_groups=6)}, ideal, None)
+    printed = bench_table.format_table(table)
+    assert f"peak fractions use {ideal['dtype']} {ideal['kernel']}" in printed
+    assert all(m["kernel"] in printed for m in ideal["by_kernel"])
+
+
 def test_linear_shapes_of_the_tiny_llama(tiny_model_dir):
     from decode_ideal import linear_shapes
 

@@ -8,7 +8,8 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from grpogate.decoding import (LeanStepper, ModelStepper, lean_decoder, shared_prefix_length)
+from grpogate.decoding import (LeanStepper, ModelStepper, can_prepack, lean_decoder, linear, prepack,
+                               shared_prefix_length)
 from grpogate.policy import load_policy, sampling_weights
 from grpogate.rollout import SamplingSettings, generate_completions
 
@@ -53,6 +54,51 @@ def test_lean_logits_equal_the_model_forward_through_prefill_decode_and_row_drop
         expected, got = reference.step(tokens), lean.step(tokens)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         tokens = expected.argmax(-1)
+
+
+needs_prepack = pytest.mark.skipif(not can_prepack(torch.zeros(1, dtype=torch.bfloat16)),
+                                   reason="no oneDNN bfloat16 kernels on this CPU")
+
+
+@needs_prepack
+def test_a_prepacked_weight_gives_the_same_bits_as_f_linear():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 40, generator=generator).bfloat16()
+    bias = torch.randn(48, generator=generator).bfloat16()
+    packed = prepack(weight)
+    assert packed.is_mkldnn and not weight.is_mkldnn  # a copy; the model's tensor is untouched
+    wide = torch.randn(3, 5, 80, generator=generator).bfloat16()
+    for x in (torch.randn(7, 40, generator=generator).bfloat16(),  # decode rows
+              torch.randn(2, 9, 40, generator=generator).bfloat16(),  # prefill [n, T, D]
+              wide[..., ::2]):  # a strided view
+        for b in (None, bias):
+            # On a strided 3-D input F.linear adds the bias after rounding the product (one
+            # rounding more); on the same values laid out contiguously it rounds once, as oneDNN.
+            expected = torch.nn.functional.linear(x.contiguous(), weight, b)
+            assert torch.equal(linear(x, packed, b), expected)
+            assert torch.equal(linear(x.contiguous(), weight, b), expected)  # unpacked: F.linear
+
+
+@needs_prepack
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_prepacked_lean_decoder_gives_the_same_logits_bits_as_plain_weights(kind):
+    model = tiny(kind).to(torch.bfloat16)
+    packed, plain = lean_decoder(model, pack=True), lean_decoder(model, pack=False)
+    assert packed.lm_head.is_mkldnn and all(layer.qkv.is_mkldnn for layer in packed.layers)
+    assert not plain.lm_head.is_mkldnn
+    a, b = LeanStepper(packed), LeanStepper(plain)
+    prompts = PROMPT_SETS[1]
+    assert torch.equal(a.prefill(prompts, 0, 2, 4), b.prefill(prompts, 0, 2, 4))
+    tokens = torch.arange(len(prompts) * 2)
+    for _ in range(3):
+        logits = a.step(tokens)
+        assert torch.equal(logits, b.step(tokens))
+        tokens = logits.argmax(-1)
+
+
+def test_float32_weights_are_never_prepacked():
+    decoder = lean_decoder(tiny("llama"), pack=True)
+    assert not decoder.lm_head.is_mkldnn and not any(layer.qkv.is_mkldnn for layer in decoder.layers)
 
 
 def test_shared_prefix_is_rounded_down_and_leaves_every_prompt_a_token():

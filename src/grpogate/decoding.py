@@ -12,7 +12,11 @@ the moment of the call:
 - the KV cache is allocated once for the whole rollout and written in place,
 - grouped-query attention is two batched matmuls per layer (K/V never repeated per head),
 - the prompts' common prefix (system prompt, chat template) is prefilled once, at batch 1,
-- cos/sin tables come from the model's own rotary module, once per rollout.
+- cos/sin tables come from the model's own rotary module, once per rollout,
+- on a CPU with oneDNN bfloat16 kernels, every weight is reordered once per rollout into the
+  kernel's blocked layout ("prepacked"), so a decode step no longer reorders 270 MB of weights
+  per call (measured on SmolLM2, all 211 products: 12.4 -> 8.5 ms at 8 rows, 29.4 -> 24.4 ms at
+  64; the results are bit-identical).
 
 `lean_decoder(model)` returns None for anything it does not cover (another architecture, a
 sliding window, a length-dependent RoPE, LoRA layers that are active and unmerged, forward hooks),
@@ -99,6 +103,36 @@ class ModelStepper:
         self.attention_mask, self.positions = self.attention_mask[keep], self.positions[keep]
 
 
+def bf16_kernels_available() -> bool:
+    """oneDNN bfloat16 kernels (avx512_bf16 / AMX on x86): bfloat16 is then a fast CPU dtype."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """Whether `prepack` applies: a bfloat16 weight on a CPU with oneDNN bfloat16 kernels."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and bf16_kernels_available())
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] bfloat16 weight -> the same weight in oneDNN's blocked layout, for `linear`.
+
+    F.linear hands oneDNN a plain [out, in] matrix, and oneDNN reorders it into its blocked
+    layout on every call; at decode batch sizes that reorder costs as much as the product.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, or oneDNN's kernel on a prepacked weight (same kernel, same result bits)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 MASKED = -1e30  # additive attention mask; finite, so an all-masked (padding) query stays finite
 
@@ -151,8 +185,11 @@ def _fuse(parts: list[tuple[torch.Tensor, torch.Tensor | None]]):
     return weight, bias
 
 
-def lean_decoder(model) -> LeanDecoder | None:
-    """The model's current weights, fused for decoding, or None where this path does not apply."""
+def lean_decoder(model, pack: bool = True) -> LeanDecoder | None:
+    """The model's current weights, fused for decoding, or None where this path does not apply.
+
+    With `pack`, weights `can_prepack` are prepacked (a copy: the model's tensors are untouched).
+    """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
@@ -176,18 +213,22 @@ def lean_decoder(model) -> LeanDecoder | None:
     head = _plain_weights(base.lm_head)
     if head is None or any(part is None for layer in linears for part in layer):
         return None
+    packed = pack and can_prepack(head[0])
+    matrix = prepack if packed else (lambda weight: weight)
     layers = []
     with torch.no_grad():
         for block, (q, k, v, o, gate, up, down) in zip(base.model.layers, linears):
             qkv, qkv_bias = _fuse([q, k, v])
             gate_up, gate_up_bias = _fuse([gate, up])
             layers.append(LayerWeights(
-                block.input_layernorm.weight, qkv, qkv_bias, o[0], o[1],
-                block.post_attention_layernorm.weight, gate_up, gate_up_bias, down[0], down[1]))
+                block.input_layernorm.weight, matrix(qkv), qkv_bias, matrix(o[0]), o[1],
+                block.post_attention_layernorm.weight, matrix(gate_up), gate_up_bias,
+                matrix(down[0]), down[1]))
+        lm_head = matrix(head[0])
     heads = config.num_attention_heads
     return LeanDecoder(
         embed=base.model.embed_tokens.weight, layers=tuple(layers), norm=base.model.norm.weight,
-        lm_head=head[0], lm_head_bias=head[1], eps=config.rms_norm_eps, heads=heads,
+        lm_head=lm_head, lm_head_bias=head[1], eps=config.rms_norm_eps, heads=heads,
         kv_heads=config.num_key_value_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         intermediate=config.intermediate_size, rotary=rotary)
@@ -234,15 +275,15 @@ def _layers(decoder: LeanDecoder, hidden: torch.Tensor, cos: torch.Tensor, sin: 
     scale = d ** -0.5
     for index, layer in enumerate(decoder.layers):
         x = _rms_norm(hidden, layer.input_norm, decoder.eps)
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [N, T, (H + 2 Hkv) d]
+        qkv = linear(x, layer.qkv, layer.qkv_bias)  # [N, T, (H + 2 Hkv) d]
         qk = _rotate(qkv[..., :(h + kv) * d].view(n, t, h + kv, d), cos, sin)
         keys_t, values = attend(index, qk[:, :, h:], qkv[..., (h + kv) * d:].view(n, t, kv, d))
         attention = _attention(qk[:, :, :h], keys_t, values, mask, scale)
-        hidden = hidden + F.linear(attention, layer.o, layer.o_bias)
-        gate_up = F.linear(_rms_norm(hidden, layer.post_norm, decoder.eps), layer.gate_up,
+        hidden = hidden + linear(attention, layer.o, layer.o_bias)
+        gate_up = linear(_rms_norm(hidden, layer.post_norm, decoder.eps), layer.gate_up,
                            layer.gate_up_bias)  # [N, T, 2 I]
-        hidden = hidden + F.linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:],
-                                   layer.down, layer.down_bias)
+        hidden = hidden + linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:],
+                                 layer.down, layer.down_bias)
     return hidden
 
 
@@ -260,8 +301,8 @@ def _causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _logits(decoder: LeanDecoder, hidden_last: torch.Tensor) -> torch.Tensor:
-    return F.linear(_rms_norm(hidden_last, decoder.norm, decoder.eps), decoder.lm_head,
-                    decoder.lm_head_bias)
+    return linear(_rms_norm(hidden_last, decoder.norm, decoder.eps), decoder.lm_head,
+                  decoder.lm_head_bias)
 
 
 def shared_prefix_length(prompts: list[list[int]]) -> int:
@@ -377,7 +418,7 @@ class LeanStepper:
         self.mask, self.positions = self.mask[keep], self.positions[keep]
 
 
-def make_stepper(model, lean: bool = True):
+def make_stepper(model, lean: bool = True, pack: bool = True):
     """The lean decoder where it covers the model, else the model's own forward."""
-    decoder = lean_decoder(model) if lean else None
+    decoder = lean_decoder(model, pack) if lean else None
     return LeanStepper(decoder) if decoder is not None else ModelStepper(model)
