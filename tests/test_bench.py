@@ -258,3 +258,29 @@ def test_gpu_check_runs_end_to_end_on_a_tiny_qwen2(tiny_model_dir, tmp_path):
     assert report["peak_allocated_gib"] > 0
     evidence = json.loads((tmp_path / "check" / "run" / "evidence.json").read_text())
     assert evidence["config"]["model"].endswith("model") and evidence["status"] == "ok"
+
+
+def test_decode_bound_records_the_rollout_it_times_without_changing_it(tiny_config, tmp_path):
+    from decode_bound import TimedStepper
+
+    from grpogate.decoding import ROW_BUCKET, make_stepper
+    from grpogate.policy import load_policy, sampling_weights
+    from grpogate.rollout import SamplingSettings, generate_completions
+
+    policy = load_policy(tiny_config(tmp_path), seed=0)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
+    settings = SamplingSettings(max_new_tokens=12, temperature=1.0, top_p=1.0, batch_size=64)
+    log = []
+    with sampling_weights(policy):
+        plain = generate_completions(policy.model, policy.tokenizer, prompts, 8, settings, seed=5)
+        timed = generate_completions(policy.model, policy.tokenizer, prompts, 8, settings, seed=5,
+                                     stepper=TimedStepper(make_stepper(policy.model), log))
+    assert [c.completion_token_ids for c in timed] == [c.completion_token_ids for c in plain]
+    kinds = [kind for kind, _, _ in log]
+    assert kinds[0] == "prefill" and log[0][1] == (0, 3 * 16)  # no shared prefix; 3 x width 16
+    rows = [r for kind, r, _ in log if kind == "step"]
+    assert rows and rows[0] == 24 and rows == sorted(rows, reverse=True)
+    assert all(r % ROW_BUCKET == 0 for r in rows[1:] if r < 24)
+    assert all(seconds > 0 for _, _, seconds in log)
+    # every token after the prefill's first one came from a decode step on a row that held it
+    assert sum(len(c.completion_token_ids) for c in timed) <= 24 + sum(rows)
