@@ -24,6 +24,7 @@ from grpogate.policy import (
     policy_version,
     reference_mode,
     resolve_base_model,
+    sampling_weights,
     save_adapter,
     tensors_sha256,
 )
@@ -76,6 +77,27 @@ def test_only_default_lora_parameters_are_trainable(fresh):
     assert not any("lora_" in n for n in frozen)
     assert not fresh.has_baseline_adapter
     assert fresh.baseline_version == policy_version(fresh.base.sha256, None)
+
+
+def test_sampling_weights_merge_w_plus_scale_b_a_and_put_the_base_back(fresh):
+    from peft.tuners.lora import LoraLayer
+
+    perturb_lora_b(fresh.model)
+    layers = [m for m in fresh.model.modules() if isinstance(m, LoraLayer) and TRAINABLE in m.lora_A]
+    originals = [m.get_base_layer().weight for m in layers]
+    before = [w.detach().clone() for w in originals]
+    expected_logits = logits(fresh.model)  # PEFT's unmerged forward, adapter on
+    with sampling_weights(fresh):
+        for module, original in zip(layers, originals):
+            merged = module.get_base_layer().weight
+            assert merged is not original and not merged.requires_grad
+            a = module.lora_A[TRAINABLE].weight.double()
+            b = module.lora_B[TRAINABLE].weight.double()
+            exact = original.double() + module.scaling[TRAINABLE] * (b @ a)
+            torch.testing.assert_close(merged.double(), exact, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits(fresh.model), expected_logits, atol=1e-4, rtol=1e-4)
+    for module, original, saved in zip(layers, originals, before):
+        assert module.get_base_layer().weight is original and torch.equal(original, saved)
 
 
 def test_base_identity_is_stable_and_tracks_weight_bytes(config, tiny_model_dir, tmp_path):
