@@ -281,7 +281,7 @@ def _layers(decoder: LeanDecoder, hidden: torch.Tensor, cos: torch.Tensor, sin: 
         attention = _attention(qk[:, :, :h], keys_t, values, mask, scale)
         hidden = hidden + linear(attention, layer.o, layer.o_bias)
         gate_up = linear(_rms_norm(hidden, layer.post_norm, decoder.eps), layer.gate_up,
-                           layer.gate_up_bias)  # [N, T, 2 I]
+                         layer.gate_up_bias)  # [N, T, 2 I]
         hidden = hidden + linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:],
                                  layer.down, layer.down_bias)
     return hidden
