@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections import Counter
 
@@ -39,16 +38,13 @@ class TimedStepper:
         return out
 
     def prefill(self, prompts, pad_id, group_size, max_new_tokens):
-        logits = self._timed("prefill", None, self.stepper.prefill, prompts, pad_id, group_size,
-                             max_new_tokens)
         # The products a prefill runs: the shared prefix at batch 1, each prompt's padded suffix.
         from grpogate.decoding import WIDTH_BUCKET, round_up, shared_prefix_length
 
         shared = shared_prefix_length(prompts)
         width = round_up(max(len(p) - shared for p in prompts), WIDTH_BUCKET)
-        kind, rows, seconds = self.log.pop()
-        self.log.append((kind, (shared, len(prompts) * width), seconds))
-        return logits
+        return self._timed("prefill", (shared, len(prompts) * width), self.stepper.prefill,
+                           prompts, pad_id, group_size, max_new_tokens)
 
     def step(self, token_ids):
         return self._timed("step", len(token_ids), self.stepper.step, token_ids)
@@ -71,29 +67,16 @@ def main() -> None:
     import torch
 
     import decode_ideal  # bench/ is sys.path[0] when this script runs
+    from decode_paths import add_workload_arguments, load_workload
     from grpogate import rollout as rollout_module
-    from grpogate.config import load_config
     from grpogate.decoding import make_stepper
-    from grpogate.pipeline import load_problem_sets, sampling_settings
-    from grpogate.policy import default_cache_dir, load_policy, resolve_base_model, sampling_weights
-    from grpogate.rollout import encode_prompts, generate_completions
+    from grpogate.policy import sampling_weights
+    from grpogate.rollout import generate_completions
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    add_workload_arguments(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    config = load_config("default", train_prompts=args.prompts * (args.rounds + 1),
-                         prompts_per_step=args.prompts, group_size=args.group_size,
-                         max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0)
-    train, _, _, _ = load_problem_sets(config)
-    policy = load_policy(config, seed=config.seed)
-    prompts = encode_prompts(policy.tokenizer, train, config.resolved_system_prompt(),
-                             config.max_prompt_tokens)
-    settings = sampling_settings(config)
+    policy, prompts, settings, load_dir = load_workload(args)
 
     sample = rollout_module._sample
     log: list = []
@@ -122,7 +105,6 @@ def main() -> None:
     runs = [rollout(prompts[(i + 1) * args.prompts:(i + 2) * args.prompts], i + 1)
             for i in range(args.rounds)]
 
-    load_dir = resolve_base_model(config.model, "", default_cache_dir(config)).load_dir
     ideal = decode_ideal.measure_ideal(load_dir, args.prompts * args.group_size, args.threads)
     shapes = decode_ideal.linear_shapes(load_dir)
     dtype = getattr(torch, ideal["dtype"])

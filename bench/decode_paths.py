@@ -19,29 +19,27 @@ import os
 import time
 
 
-PATHS = {"lean": {"lean": True, "pack": True}, "lean-plain": {"lean": True, "pack": False},
-         "model": {"lean": False}}
-
-
-def main() -> None:
-    import torch
-
-    import decode_ideal  # bench/ is sys.path[0] when this script runs
-    from grpogate.config import load_config
-    from grpogate.pipeline import load_problem_sets, sampling_settings
-    from grpogate.policy import default_cache_dir, load_policy, resolve_base_model, sampling_weights
-    from grpogate.decoding import make_stepper
-    from grpogate.rollout import encode_prompts, generate_completions
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The rollout workload's flags: rounds of `prompts` x `group_size`, token budget, threads."""
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--paths", default="lean,lean-plain,model",
-                        help="comma-separated, from: " + ", ".join(PATHS))
     parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    args = parser.parse_args()
+
+
+def load_workload(args):
+    """(policy, encoded train prompts for rounds + 1 rollouts, sampling settings, model dir).
+
+    The bench's rollout workload: bundled SmolLM2, chain_sum train prompts, temperature 1.0.
+    """
+    import torch
+
+    from grpogate.config import load_config
+    from grpogate.pipeline import load_problem_sets, sampling_settings
+    from grpogate.policy import default_cache_dir, load_policy, resolve_base_model
+    from grpogate.rollout import encode_prompts
+
     torch.set_num_threads(args.threads)
     config = load_config("default", train_prompts=args.prompts * (args.rounds + 1),
                          prompts_per_step=args.prompts, group_size=args.group_size,
@@ -50,7 +48,26 @@ def main() -> None:
     policy = load_policy(config, seed=config.seed)
     prompts = encode_prompts(policy.tokenizer, train, config.resolved_system_prompt(),
                              config.max_prompt_tokens)
-    settings = sampling_settings(config)
+    load_dir = resolve_base_model(config.model, "", default_cache_dir(config)).load_dir
+    return policy, prompts, sampling_settings(config), load_dir
+
+
+PATHS = {"lean": {"lean": True, "pack": True}, "lean-plain": {"lean": True, "pack": False},
+         "model": {"lean": False}}
+
+
+def main() -> None:
+    import decode_ideal  # bench/ is sys.path[0] when this script runs
+    from grpogate.decoding import make_stepper
+    from grpogate.policy import sampling_weights
+    from grpogate.rollout import generate_completions
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--paths", default="lean,lean-plain,model",
+                        help="comma-separated, from: " + ", ".join(PATHS))
+    add_workload_arguments(parser)
+    args = parser.parse_args()
+    policy, prompts, settings, load_dir = load_workload(args)
 
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not paths or any(p not in PATHS for p in paths):
@@ -78,7 +95,6 @@ def main() -> None:
             totals[path][0] += tokens
             totals[path][1] += seconds
         rounds.append(measured)
-    load_dir = resolve_base_model(config.model, "", default_cache_dir(config)).load_dir
     ideal = decode_ideal.measure_ideal(load_dir, args.prompts * args.group_size, args.threads)
     rate = {path: tokens / seconds for path, (tokens, seconds) in totals.items()}
     print(json.dumps({
