@@ -1,6 +1,6 @@
 """The benchmark's table: per-system rows, ratios against the faster TRL, targets, text layout.
 
-Pure data in, data out (the paired bootstrap comes from grpogate.metrics): each child's result
+Pure data in, data out (the paired bootstrap comes from grpogate.evidence.metrics): each child's result
 dict and the shared re-test's summaries become one JSON-ready table and one printed table.
 """
 
@@ -40,7 +40,7 @@ def system_row(result: dict, reward: float | None, ideal_tokens_per_second: floa
 
 def build_table(settings: dict, results: dict, ideal: dict, evaluation: dict | None) -> dict:
     """Assemble the JSON table: per-system rows, ratios against the faster TRL, the peak fraction."""
-    from grpogate.metrics import paired_comparison
+    from grpogate.evidence.metrics import paired_comparison
 
     summaries = (evaluation or {}).get("summaries", {})
     rewards = {name: summary["mean_reward"] for name, summary in summaries.items()}

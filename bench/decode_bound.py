@@ -39,7 +39,7 @@ class TimedStepper:
 
     def prefill(self, prompts, pad_id, group_size, max_new_tokens):
         # The products a prefill runs: the shared prefix at batch 1, each prompt's padded suffix.
-        from grpogate.decoding import WIDTH_BUCKET, round_up, shared_prefix_length
+        from grpogate.sampling.decoding import WIDTH_BUCKET, round_up, shared_prefix_length
 
         shared = shared_prefix_length(prompts)
         width = round_up(max(len(p) - shared for p in prompts), WIDTH_BUCKET)
@@ -68,10 +68,10 @@ def main() -> None:
 
     import decode_ideal  # bench/ is sys.path[0] when this script runs
     from decode_paths import add_workload_arguments, load_workload
-    from grpogate import rollout as rollout_module
-    from grpogate.decoding import make_stepper
-    from grpogate.policy import sampling_weights
-    from grpogate.rollout import generate_completions
+    from grpogate.sampling import rollout as rollout_module
+    from grpogate.sampling.decoding import make_stepper
+    from grpogate.inputs.policy import sampling_weights
+    from grpogate.sampling.rollout import generate_completions
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(parser)

@@ -36,9 +36,10 @@ def load_workload(args):
     import torch
 
     from grpogate.config import load_config
-    from grpogate.pipeline import load_problem_sets, sampling_settings
-    from grpogate.policy import default_cache_dir, load_policy, resolve_base_model
-    from grpogate.rollout import encode_prompts
+    from grpogate.pipeline import load_problem_sets
+    from grpogate.sampling.rollout import sampling_settings
+    from grpogate.inputs.policy import default_cache_dir, load_policy, resolve_base_model
+    from grpogate.sampling.rollout import encode_prompts
 
     torch.set_num_threads(args.threads)
     config = load_config("default", train_prompts=args.prompts * (args.rounds + 1),
@@ -58,9 +59,9 @@ PATHS = {"lean": {"lean": True, "pack": True}, "lean-plain": {"lean": True, "pac
 
 def main() -> None:
     import decode_ideal  # bench/ is sys.path[0] when this script runs
-    from grpogate.decoding import make_stepper
-    from grpogate.policy import sampling_weights
-    from grpogate.rollout import generate_completions
+    from grpogate.sampling.decoding import make_stepper
+    from grpogate.inputs.policy import sampling_weights
+    from grpogate.sampling.rollout import generate_completions
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--paths", default="lean,lean-plain,model",

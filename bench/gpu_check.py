@@ -62,7 +62,8 @@ def main() -> None:
 
     import torch
 
-    from grpogate import pipeline, training
+    from grpogate import pipeline
+    from grpogate.training import loop as training
     from grpogate.config import load_config
 
     out = Path(args.out)

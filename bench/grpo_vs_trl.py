@@ -81,7 +81,7 @@ def problem_sets(config) -> tuple[list, list, dict]:
 
 
 def resolve_load_dir(config) -> str:
-    from grpogate.policy import default_cache_dir, resolve_base_model
+    from grpogate.inputs.policy import default_cache_dir, resolve_base_model
 
     return resolve_base_model(config.model, config.model_revision, default_cache_dir(config)).load_dir
 
@@ -164,12 +164,12 @@ def run_grpogate(spec: dict, out_dir: Path) -> dict:
 
 def run_eval(spec: dict, out_dir: Path) -> dict:
     """Baseline and every trained adapter through one evaluator: same prompts, seed and batches."""
-    from grpogate import metrics
-    from grpogate.evaluate import evaluate_policy
-    from grpogate.pipeline import sampling_settings
-    from grpogate.policy import current_version, load_policy, sampling_weights
-    from grpogate.rollout import encode_prompts
-    from grpogate.verifiers import get_verifier
+    from grpogate.evidence import metrics
+    from grpogate.sampling.retest import evaluate_policy
+    from grpogate.sampling.rollout import sampling_settings
+    from grpogate.inputs.policy import current_version, load_policy, sampling_weights
+    from grpogate.sampling.rollout import encode_prompts
+    from grpogate.inputs.verifiers import get_verifier
 
     config = build_config(spec)
     _, eval_set, sets = problem_sets(config)

@@ -65,8 +65,8 @@ def run_trl(config, train: list, load_dir: str, settings: dict, out_dir: Path,
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
 
-    from grpogate.rollout import encode_prompts
-    from grpogate.verifiers import get_verifier
+    from grpogate.sampling.rollout import encode_prompts
+    from grpogate.inputs.verifiers import get_verifier
 
     group_size, per_step = settings["group_size"], settings["prompts_per_step"]
     system_prompt = config.resolved_system_prompt()

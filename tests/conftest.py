@@ -40,7 +40,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     torch.set_num_threads(1)
 
     from grpogate.config import BUNDLED_MODEL, RunConfig
-    from grpogate.policy import default_cache_dir, resolve_base_model
+    from grpogate.inputs.policy import default_cache_dir, resolve_base_model
 
     # Cached after the first dequantization (about 20 s once, then under a second).
     source = resolve_base_model(BUNDLED_MODEL, "", default_cache_dir(RunConfig()))

@@ -2,8 +2,8 @@
 
 The records are hand-written, but everything derived from them goes through the same functions
 the pipeline uses (problem loading, the verifier, metrics.rollout_summary / summarize_completions
-/ paired_comparison, pipeline.rollout_evidence / update_evidence, decisions.decide_run,
-evidence.build_manifest, atomic writes), so the audit and the report see what a real run writes.
+/ paired_comparison through assemble.assemble_evidence, decisions.decide_run,
+manifest.build_manifest, atomic writes), so the audit and the report see what a real run writes.
 
 Layout: GSM8K-format JSONL with 4 train and 2 eval problems; 2 steps of 2 prompts x G=4;
 re-test with 4 samples per eval prompt. Train reward groups [1,0,0,1] [0,0,0,0] | [1,1,1,1]
@@ -18,10 +18,12 @@ import hashlib
 import json
 from pathlib import Path
 
-from grpogate import decisions, metrics
+from grpogate.evidence import metrics
+from grpogate.evidence.assemble import assemble_evidence
+from grpogate.evidence.manifest import build_manifest
 from grpogate.config import Gates, RunConfig, TaskConfig, validate
-from grpogate.evidence import atomic_write_bytes, atomic_write_json, build_manifest, jsonl_bytes
-from grpogate.verifiers import get_verifier
+from grpogate.files import atomic_write_bytes, atomic_write_json, jsonl_bytes
+from grpogate.inputs.verifiers import get_verifier
 
 TRAIN_QUESTIONS = [("Ann has 3 apples and buys 4 more. How many?", 7),
                    ("A box holds 12 pens; 5 are taken. How many remain?", 7),
@@ -53,7 +55,7 @@ def _completion(answer: int, correct: int, sample: int) -> tuple[str, int, bool]
 
 def write_synthetic_run(root: Path, **gates) -> Path:
     """Write data and a finished run under `root`; returns the run directory."""
-    from grpogate.pipeline import load_problem_sets, rollout_evidence, update_evidence
+    from grpogate.pipeline import load_problem_sets
 
     data = root / "data"
     data.mkdir(parents=True)
@@ -98,44 +100,32 @@ def write_synthetic_run(root: Path, **gates) -> Path:
             "mean_kl": 0.001 * (step + 1), "clip_fraction": 0.01 * step})
         trajectories += records
     atomic_write_bytes(run_dir / "trajectories.jsonl", jsonl_bytes(trajectories))
-    seconds = {"rollout": 2.0, "verification": 0.02, "update": 1.0, "evaluation": 3.0}
+    seconds = {"load": 0.5, "rollout": 2.0, "verification": 0.02, "update": 1.0,
+               "evaluation": 3.0, "checkpoint": 0.1, "total": 7.0}
 
     baseline_version, candidate_version = _version("baseline"), _version("candidate")
-    eval_records, summaries = [], {}
+    eval_records = []
     for name, version in (("baseline", baseline_version), ("candidate", candidate_version)):
-        records = []
         for problem, rewards in zip(eval_set, EVAL_REWARDS[name]):
             for sample, correct in enumerate(rewards):
                 text, tokens, hit = _completion(answers[problem.question], correct, sample)
-                records.append({
+                eval_records.append({
                     "policy": name, "policy_version": version, "prompt_id": problem.prompt_id,
                     "sample_index": sample,
                     "trace_id": _version(f"eval-{name}|{problem.prompt_id}|{sample}")[:24],
                     "seed": config.seed + 10_000, "verifier_version": verifier.version,
                     "completion": text, "completion_tokens": tokens, "hit_max_length": hit,
                     "reward": verifier.score(text, problem.reference)})
-        summaries[name] = metrics.summarize_completions(records, config.eval_group_size,
-                                                        config.max_new_tokens)
-        eval_records += records
-    baseline, candidate = summaries["baseline"], summaries["candidate"]
-    comparison = {
-        "reward_mean_gain": candidate["mean_reward"] - baseline["mean_reward"],
-        "pass_at_group_gain": candidate["pass_at_group"] - baseline["pass_at_group"],
-        "eval_group_size": config.eval_group_size, "eval_seed": config.seed + 10_000,
-        "baseline": baseline, "candidate": candidate,
-        "paired": metrics.paired_comparison(baseline, candidate, seed=config.seed)}
 
     adapter = run_dir / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"r": 4}\n')
     (adapter / "adapter_model.safetensors").write_bytes(b"synthetic adapter weights")
     adapter_sha = hashlib.sha256(b"synthetic adapter weights").hexdigest()
-    evidence = {
-        "grpogate_evidence_version": 1, "run_label": "synthetic",
-        "created": "2026-01-01T00:00:00+00:00", "status": "ok", "config": config.to_dict(),
+    facts = {
+        "run_label": "synthetic", "created": "2026-01-01T00:00:00+00:00", "loop_status": "ok",
+        "failure": None, "interruption": None, "resumes": [],
         "environment": {"python": "3.11", "device": "cpu"},
-        "seeds": {"run": config.seed, "rollout": [config.seed + s for s in range(config.steps)],
-                  "eval": config.seed + 10_000, "bootstrap": config.seed},
         "inputs": {
             "model": {"spec": "synthetic", "kind": "hf-dir", "location": "/nowhere",
                       "sha256": _version("base"), "revision": ""},
@@ -143,28 +133,16 @@ def write_synthetic_run(root: Path, **gates) -> Path:
             "baseline_policy_version": baseline_version,
             "verifier": {"name": config.resolved_verifier(), "version": verifier.version},
             "train_set": train_id, "eval_set": eval_id},
-        "contract": {"admitted": True, "failed_checks": []},
-        "rollout": rollout_evidence(trajectories, steps, seconds, config.group_size,
-                                    verifier.error_count),
-        "update": update_evidence(config, steps, seconds),
-        "comparison": comparison,
-        "timings": {"load_seconds": 0.5, "rollout_seconds": seconds["rollout"],
-                    "verification_seconds": seconds["verification"],
-                    "update_seconds": seconds["update"], "evaluation_seconds": seconds["evaluation"]},
+        "contract": {"admitted": True, "failed_checks": []}, "seconds": seconds,
+        "verifier_errors": verifier.error_count, "retest_verifier_errors": 0,
+        "retest_skipped": False, "micro_batch_size": config.micro_batch_size, "oom_retries": 0,
         "resources": {"device": "cpu", "peak_allocated_bytes": 10**9, "peak_reserved_bytes": 10**9,
                       "peak_rss_bytes": 10**9},
         "artifact": {"path": "adapter", "sha256": adapter_sha,
                      "source_policy_version": baseline_version,
                      "new_policy_version": candidate_version},
-        "steps": steps,
     }
-    gates_table = dataclasses.asdict(config.gates)
-    result = decisions.evaluate_grpo_candidate(evidence, gates_table)
-    for key in ("effective_trajectory_count", "effective_trajectories_per_second",
-                "valid_group_ratio"):
-        evidence[key] = result[key]
-    evidence["timings"]["total_seconds"] = 7.0
-    evidence["decision"] = decisions.decide_run(evidence, gates_table)
+    evidence = assemble_evidence(facts, config.to_dict(), steps, trajectories, eval_records)
     atomic_write_bytes(run_dir / "eval_completions.jsonl", jsonl_bytes(eval_records))
     atomic_write_json(run_dir / "evidence.json", evidence)
     atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))

@@ -6,10 +6,12 @@ import pytest
 from synthetic_run import write_synthetic_run
 from typer.testing import CliRunner
 
-from grpogate import decisions, metrics
-from grpogate.audit import audit_run, same_value
+from grpogate.evidence import decisions
+from grpogate.evidence import metrics
+from grpogate.evidence.audit import audit_run, same_value
 from grpogate.cli import app
-from grpogate.evidence import atomic_write_json, build_manifest, read_jsonl
+from grpogate.evidence.manifest import build_manifest
+from grpogate.files import atomic_write_json, read_jsonl
 
 
 @pytest.fixture
@@ -152,7 +154,7 @@ def test_audit_and_compare_do_not_import_torch(run_dir):
     import sys
 
     code = ("import sys\n"
-            "from grpogate.audit import audit_run\n"
+            "from grpogate.evidence.audit import audit_run\n"
             "import grpogate.standalone_eval\n"
             f"assert audit_run({str(run_dir)!r})['agrees']\n"
             "assert 'torch' not in sys.modules\n")

@@ -38,7 +38,7 @@ def _eval_records(policy, rewards_by_prompt):
 
 
 def _summaries():
-    from grpogate.metrics import summarize_completions
+    from grpogate.evidence.metrics import summarize_completions
 
     per_policy = {  # 2 prompts x 2 samples each
         "baseline": {"p1": [0.0, 0.0], "p2": [0.0, 1.0]},   # mean 0.25
@@ -159,7 +159,7 @@ def test_the_ideal_times_every_kernel_the_decoder_can_use_and_keeps_the_fastest(
     import torch
     from decode_ideal import measure_ideal
 
-    from grpogate.decoding import can_prepack
+    from grpogate.sampling.decoding import can_prepack
 
     ideal = measure_ideal(str(tiny_model_dir), 4, torch.get_num_threads(), round_seconds=0.01)
     kernels = {(m["dtype"], m["kernel"]) for m in ideal["by_kernel"]}
@@ -263,9 +263,9 @@ def test_gpu_check_runs_end_to_end_on_a_tiny_qwen2(tiny_model_dir, tmp_path):
 def test_decode_bound_records_the_rollout_it_times_without_changing_it(tiny_config, tmp_path):
     from decode_bound import TimedStepper
 
-    from grpogate.decoding import ROW_BUCKET, make_stepper
-    from grpogate.policy import load_policy, sampling_weights
-    from grpogate.rollout import SamplingSettings, generate_completions
+    from grpogate.sampling.decoding import ROW_BUCKET, make_stepper
+    from grpogate.inputs.policy import load_policy, sampling_weights
+    from grpogate.sampling.rollout import SamplingSettings, generate_completions
 
     policy = load_policy(tiny_config(tmp_path), seed=0)
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import grpogate.decisions as decisions
-from grpogate.decisions import (
+import grpogate.evidence.decisions as decisions
+from grpogate.evidence.decisions import (
     GATE_NAMES,
     check_rollout_contract,
     decide_grpo_delivery,

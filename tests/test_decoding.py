@@ -8,10 +8,10 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from grpogate.decoding import (LeanStepper, ModelStepper, can_prepack, lean_decoder, linear, prepack,
+from grpogate.sampling.decoding import (LeanStepper, ModelStepper, can_prepack, lean_decoder, linear, prepack,
                                shared_prefix_length)
-from grpogate.policy import load_policy, sampling_weights
-from grpogate.rollout import SamplingSettings, generate_completions
+from grpogate.inputs.policy import load_policy, sampling_weights
+from grpogate.sampling.rollout import SamplingSettings, generate_completions
 
 SIZES = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)

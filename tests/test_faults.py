@@ -14,14 +14,17 @@ import pytest
 import torch
 from helpers import alternating_rewards
 
-from grpogate import pipeline, training
-from grpogate import update as update_module
-from grpogate.evidence import read_jsonl
-from grpogate.policy import (current_version, load_adapter_state, load_policy, policy_version,
+from grpogate import pipeline
+from grpogate.training import loop as training
+from grpogate.training import objectives
+from grpogate.training import update as update_module
+from grpogate.files import read_jsonl
+from grpogate.inputs.policy import (current_version, load_adapter_state, load_policy, policy_version,
                              reference_mode, tensors_sha256, trainable_parameters)
-from grpogate.rollout import encode_prompts
-from grpogate.update import (UpdateBatch, UpdateFailed, UpdateSettings, grpo_update,
-                             is_out_of_memory, update_with_retry)
+from grpogate.sampling.rollout import encode_prompts
+from grpogate.training.advantages import UpdateBatch
+from grpogate.training.update import (UpdateFailed, UpdateSettings, grpo_update, is_out_of_memory,
+                                      update_with_retry)
 
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -49,7 +52,7 @@ def test_a_non_finite_loss_keeps_the_last_good_adapter(tiny_config, tmp_path, mo
     # One optimizer step per valid group (2 per rollout step). The 4th loss is NaN: step 1's
     # first optimizer step has already changed the adapter when its second one fails, so the
     # adapter must be rolled back to the end of step 0 — the policy that sampled step 1.
-    real_aggregate, calls = update_module.aggregate_loss, []
+    real_aggregate, calls = objectives.aggregate_loss, []
 
     def nan_on_fourth(per_token, mask, aggregation):
         calls.append(1)
@@ -57,7 +60,7 @@ def test_a_non_finite_loss_keeps_the_last_good_adapter(tiny_config, tmp_path, mo
         return loss * float("nan") if len(calls) == 4 else loss
 
     monkeypatch.setattr(training, "score_completions", alternating_rewards)
-    monkeypatch.setattr(update_module, "aggregate_loss", nan_on_fourth)
+    monkeypatch.setattr(objectives, "aggregate_loss", nan_on_fourth)
     evidence = pipeline.run(tiny_config(tmp_path, groups_per_update=1))
     run_dir = assert_finished_with(evidence, "non_finite_update")
     assert evidence["failure"]["step"] == 1 and "non-finite loss" in evidence["failure"]["message"]
@@ -88,7 +91,7 @@ def test_verifier_exceptions_score_zero_and_are_counted_per_stage(tiny_config, t
         return verifier
 
     # Every completion reaches the scorer (the random model rarely writes a number).
-    monkeypatch.setattr("grpogate.verifiers.extract_final_answer", lambda completion: "7")
+    monkeypatch.setattr("grpogate.inputs.verifiers.extract_final_answer", lambda completion: "7")
     monkeypatch.setattr(pipeline, "get_verifier", exploding)
     evidence = pipeline.run(tiny_config(tmp_path, eval_prompts=2))
     assert evidence["rollout"]["verifier_errors"] == 4 * 4  # 4 train prompts x G = 4
@@ -121,7 +124,7 @@ def batch_of_two_groups(policy) -> UpdateBatch:
 
 
 def _problem():
-    from grpogate.tasks import Problem, prompt_id
+    from grpogate.inputs.tasks import Problem, prompt_id
 
     return Problem(prompt_id("What is 3 + 4?"), "What is 3 + 4?", "7", "test:0")
 
@@ -131,14 +134,14 @@ SETTINGS = UpdateSettings(clip_epsilon=0.2, kl_coef=0.02, max_grad_norm=1.0, mic
 
 
 def trainable_copy(policy) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in trainable_parameters(policy)]
+    return [p.detach().clone() for p in trainable_parameters(policy).values()]
 
 
 def call(policy, optimizer, batch, retried: list | None = None):
     on_retry = (lambda error, size: retried.append(size)) if retried is not None else None
     return update_with_retry(policy.model, optimizer, batch, SETTINGS,
                              policy.tokenizer.pad_token_id, lambda: reference_mode(policy),
-                             trainable_parameters(policy), on_retry=on_retry)
+                             trainable_parameters(policy).values(), on_retry=on_retry)
 
 
 def test_out_of_memory_is_recognised():
@@ -154,11 +157,11 @@ def test_an_oom_retries_once_at_half_the_micro_batch_without_a_double_step(
     batch = batch_of_two_groups(policy)
     # The expected result: one clean update at micro_batch_size 4 from the same start.
     twin = load_policy(tiny_config(tmp_path), seed=0)
-    twin_optimizer = torch.optim.AdamW(trainable_parameters(twin), lr=1e-2)
+    twin_optimizer = torch.optim.AdamW(trainable_parameters(twin).values(), lr=1e-2)
     expected = grpo_update(twin.model, twin_optimizer, batch,
                            dataclasses.replace(SETTINGS, micro_batch_size=4),
                            twin.tokenizer.pad_token_id, lambda: reference_mode(twin),
-                           trainable_parameters(twin))
+                           trainable_parameters(twin).values())
 
     real_update, sizes = update_module.grpo_update, []
 
@@ -170,14 +173,14 @@ def test_an_oom_retries_once_at_half_the_micro_batch_without_a_double_step(
         return record
 
     monkeypatch.setattr(update_module, "grpo_update", oom_after_applying_the_first_time)
-    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=1e-2)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy).values(), lr=1e-2)
     retried = []
     record, used = call(policy, optimizer, batch, retried=retried)
     assert sizes == [8, 4] and retried == [4] and used.micro_batch_size == 4
     assert record.update_count == expected.update_count == 2
     # Two optimizer steps in all, not four: the first attempt's steps were rolled back.
     assert {int(state["step"]) for state in optimizer.state.values()} == {2}
-    for got, want in zip(trainable_parameters(policy), trainable_parameters(twin)):
+    for got, want in zip(trainable_parameters(policy).values(), trainable_parameters(twin).values()):
         assert torch.equal(got, want)
 
 
@@ -191,12 +194,12 @@ def test_a_second_oom_fails_clearly_and_leaves_the_adapter(policy, monkeypatch):
         raise RuntimeError("CUDA error: out of memory")
 
     monkeypatch.setattr(update_module, "grpo_update", always_oom)
-    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=1e-2)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy).values(), lr=1e-2)
     before, version = trainable_copy(policy), current_version(policy)
     with pytest.raises(UpdateFailed, match="micro_batch_size 8 and again at 4"):
         call(policy, optimizer, batch)
     assert calls == [8, 4]
-    assert all(torch.equal(a, b) for a, b in zip(before, trainable_parameters(policy)))
+    assert all(torch.equal(a, b) for a, b in zip(before, trainable_parameters(policy).values()))
     assert current_version(policy) == version
     assert not optimizer.state
 
@@ -209,11 +212,11 @@ def test_other_update_errors_propagate_after_the_rollback(policy, monkeypatch):
         raise RuntimeError("shape mismatch")
 
     monkeypatch.setattr(update_module, "grpo_update", broken)
-    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=1e-2)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy).values(), lr=1e-2)
     before = trainable_copy(policy)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         call(policy, optimizer, batch_of_two_groups(policy))
-    assert all(torch.equal(a, b) for a, b in zip(before, trainable_parameters(policy)))
+    assert all(torch.equal(a, b) for a, b in zip(before, trainable_parameters(policy).values()))
 
 
 def test_a_run_whose_update_keeps_running_out_of_memory_is_rejected(tiny_config, tmp_path,

@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from grpogate import decisions, pipeline, training
-from grpogate.audit import audit_run
+from grpogate.evidence import decisions
+from grpogate import pipeline
+from grpogate.training import loop as training
+from grpogate.evidence.audit import audit_run
 from grpogate.cli import app
-from grpogate.evidence import read_jsonl
+from grpogate.files import read_jsonl
 from grpogate.interrupts import stop_on_signals
 
 SIZES = {"train_prompts": 6, "prompts_per_step": 2, "eval_prompts": 2, "group_size": 4,

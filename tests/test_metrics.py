@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grpogate.metrics import (
+from grpogate.evidence.metrics import (
     length_histogram,
     length_summary,
     mcnemar_exact,

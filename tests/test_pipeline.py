@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 from helpers import alternating_rewards, sha256
 
-from grpogate import decisions, pipeline, training
+from grpogate.evidence import decisions
+from grpogate import pipeline
+from grpogate.training import loop as training
 from grpogate.config import load_config
 from grpogate.errors import InputError
-from grpogate.evidence import read_jsonl
-from grpogate.policy import load_policy
+from grpogate.files import read_jsonl
+from grpogate.inputs.policy import load_policy
 
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 needs_gsm8k = pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason=f"GSM8K not found at {GSM8K_DIR}")
@@ -70,7 +72,7 @@ def test_run_writes_every_file_and_the_manifest_pins_them(finished):
 
 
 def test_tensorboard_events_carry_every_step(finished):
-    from grpogate.tensorboard import read_scalars
+    from grpogate.evidence.tensorboard import read_scalars
 
     config, run_dir, _ = finished
     files = list(Path(config.tensorboard).glob("events.out.tfevents.*"))

@@ -1,4 +1,4 @@
-"""Tests for grpogate.policy on a tiny random-weight Llama: adapters, identities, reference mode."""
+"""Tests for grpogate.inputs.policy on a tiny random-weight Llama: adapters, identities, reference mode."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpogate import policy as policy_module
+from grpogate.inputs import policy as policy_module
 from grpogate.errors import InputError
-from grpogate.policy import (
+from grpogate.inputs.policy import (
     REFERENCE,
     TRAINABLE,
     adapter_state,

@@ -10,9 +10,9 @@ import pytest
 from synthetic_run import write_synthetic_run
 from typer.testing import CliRunner
 
-from grpogate.audit import audit_run
+from grpogate.evidence.audit import audit_run
 from grpogate.cli import app
-from grpogate.report import FIGURES, write_report
+from grpogate.evidence.report import FIGURES, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -112,7 +112,7 @@ def test_report_cli(run_dir, tmp_path):
 
 def test_run_writes_the_report_and_survives_a_plotting_failure(tiny_config, tmp_path,
                                                                monkeypatch):
-    import grpogate.report
+    import grpogate.evidence.report
     from grpogate.pipeline import NullReporter, run
 
     evidence = run(tiny_config(tmp_path, out=str(tmp_path / "with-report")))
@@ -121,7 +121,7 @@ def test_run_writes_the_report_and_survives_a_plotting_failure(tiny_config, tmp_
     def broken(run_dir):
         raise RuntimeError("no canvas")
 
-    monkeypatch.setattr(grpogate.report, "write_report", broken)
+    monkeypatch.setattr(grpogate.evidence.report, "write_report", broken)
     messages = []
 
     class Recorder(NullReporter):

@@ -24,7 +24,7 @@ import pytest
 from helpers import sha256
 from typer.testing import CliRunner
 
-from grpogate.audit import audit_run
+from grpogate.evidence.audit import audit_run
 from grpogate.cli import app
 
 # The CLI in a fresh interpreter: one torch thread (a shared 2-core machine), the fixed reward
@@ -33,7 +33,7 @@ LAUNCHER = """
 import sys
 import torch
 torch.set_num_threads(1)
-from grpogate import training
+from grpogate.training import loop as training
 training.score_completions = lambda completions, problems, verifier: [
     1.0 if c.sample_index % 2 == 0 else 0.0 for c in completions]
 from grpogate.cli import app
@@ -221,7 +221,7 @@ def test_a_checkpoint_restores_tensors_optimizer_and_rng_and_replaces_the_previo
     import numpy as np
     import torch
 
-    from grpogate.checkpoint import latest_checkpoint, restore_training_state, save_checkpoint
+    from grpogate.training.checkpoint import latest_checkpoint, restore_training_state, save_checkpoint
 
     weight, optimizer = small_training_state(0)
     save_checkpoint(tmp_path, {"next_step": 1}, {"w": weight}, optimizer)
@@ -243,7 +243,7 @@ def test_a_checkpoint_restores_tensors_optimizer_and_rng_and_replaces_the_previo
 def test_a_damaged_or_pickled_checkpoint_is_refused(tmp_path, monkeypatch):
     import pickle
 
-    from grpogate.checkpoint import latest_checkpoint, restore_training_state, save_checkpoint
+    from grpogate.training.checkpoint import latest_checkpoint, restore_training_state, save_checkpoint
     from grpogate.errors import InputError
 
     weight, optimizer = small_training_state(0)

@@ -7,26 +7,21 @@ import math
 import pytest
 import torch
 
-from grpogate import update as update_module
+from grpogate.training import objectives
 from grpogate.errors import InputError
-from grpogate.policy import load_policy, reference_mode, trainable_parameters
-from grpogate.rollout import (
+from grpogate.inputs.policy import load_policy, reference_mode, trainable_parameters
+from grpogate.sampling.rollout import (
     SamplingSettings,
     encode_prompts,
     generate_completions,
     score_completions,
     trajectory_records,
 )
-from grpogate.tasks import Problem, prompt_id
-from grpogate.logprobs import completion_logprobs, pack_sequences
-from grpogate.update import (
-    NonFiniteUpdate,
-    UpdateBatch,
-    UpdateSettings,
-    build_update_batch,
-    grpo_update,
-)
-from grpogate.verifiers import get_verifier
+from grpogate.inputs.tasks import Problem, prompt_id
+from grpogate.training.advantages import UpdateBatch, build_update_batch
+from grpogate.training.update import NonFiniteUpdate, UpdateSettings, grpo_update
+from reference_logprobs import completion_logprobs, pack_sequences
+from grpogate.inputs.verifiers import get_verifier
 
 EOS = 2
 G = 4
@@ -195,15 +190,15 @@ def test_completion_logprobs_match_a_full_log_softmax(policy, prompts, temperatu
 
 def test_shared_prompt_forward_equals_one_forward_per_sequence(policy, prompts):
     """Two implementations of the same log-probs agree, values and gradients (verl-style)."""
-    from grpogate.logprobs import pack_groups, shared_prompt_logprobs
+    from grpogate.training.logprobs import pack_groups, shared_prompt_logprobs
 
     group_prompts = [prompts[0], prompts[1][:-5]]  # two groups, different prompt lengths
     completions = [[504, 3077, 314, 2208, EOS], [905, 28], [1011, 29, 17, 44],  # group 0
                    [77, EOS], [5, 6, 7, 8, 9, 10], [300, 301, 302]]  # group 1
     per_sequence_prompts = [group_prompts[0]] * 3 + [group_prompts[1]] * 3
-    for parameter in trainable_parameters(policy):  # a non-zero adapter, so LoRA matters
+    for parameter in trainable_parameters(policy).values():  # a non-zero adapter, so LoRA matters
         parameter.data.normal_(0, 0.05)
-    parameters = trainable_parameters(policy)
+    parameters = list(trainable_parameters(policy).values())
 
     def loss_and_grads(logp, mask):
         loss = (logp * mask).sum()
@@ -214,11 +209,10 @@ def test_shared_prompt_forward_equals_one_forward_per_sequence(policy, prompts):
         per_sequence_prompts, completions, EOS, torch.device("cpu"))
     full_logp, full_grads = loss_and_grads(
         completion_logprobs(policy.model, input_ids, attention_mask, completion_ids, 0.7), mask)
-    prompt_ids, prompt_mask, group_completion_ids, group_mask = pack_groups(
-        group_prompts, completions, EOS, torch.device("cpu"))
+    packed = pack_groups(group_prompts, completions, EOS, torch.device("cpu"))
+    group_mask = packed.completion_mask
     shared_logp, shared_grads = loss_and_grads(
-        shared_prompt_logprobs(policy.model, prompt_ids, prompt_mask, group_completion_ids,
-                               group_mask, 3, 0.7), group_mask)
+        shared_prompt_logprobs(policy.model, packed, 3, 0.7), group_mask)
 
     assert torch.equal(mask, group_mask)
     assert torch.allclose(full_logp * mask, shared_logp * mask, atol=1e-5)
@@ -232,7 +226,7 @@ def test_shared_prompt_forward_equals_one_forward_per_sequence(policy, prompts):
 
 
 def run_update(policy, batch, optimizer=None, **overrides):
-    parameters = trainable_parameters(policy)
+    parameters = list(trainable_parameters(policy).values())
     optimizer = optimizer or torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.0)
     return grpo_update(policy.model, optimizer, batch, update_settings(**overrides), EOS,
                        lambda: reference_mode(policy), parameters)
@@ -272,7 +266,7 @@ def test_token_terms_equal_hand_computed_values():
     ref = torch.log(torch.tensor([[0.25, 0.5]]))
     kl_expected = 0.5 + math.log(2) - 1
     for advantage, surrogate, clipped in ((1.0, 1.2, True), (-1.0, -2.0, False)):
-        per_token, kl, was_clipped = update_module.grpo_token_terms(
+        per_token, kl, was_clipped = objectives.grpo_token_terms(
             logp, old, ref, torch.tensor([advantage]), 0.2, 0.1)
         assert kl[0, 0].item() == pytest.approx(kl_expected, abs=1e-6)
         assert kl[0, 1].item() == pytest.approx(0.0, abs=1e-7)
@@ -283,7 +277,7 @@ def test_token_terms_equal_hand_computed_values():
 
 def test_empty_batch_takes_no_optimizer_step(policy):
     before = snapshot(policy.model)
-    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=1e-3)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy).values(), lr=1e-3)
     record = run_update(policy, UpdateBatch([], [], [], []), optimizer)
     assert record.update_count == 0 and record.tokens == 0
     assert not optimizer.state  # AdamW never stepped
@@ -293,14 +287,14 @@ def test_empty_batch_takes_no_optimizer_step(policy):
 
 def test_one_group_per_update_uses_precomputed_old_logprobs(policy, prompts, monkeypatch):
     seen = []
-    real_terms = update_module.grpo_token_terms
+    real_terms = objectives.grpo_token_terms
 
     def spy(logp, old_logp, *args):
         seen.append((logp.detach().clone(), old_logp.detach().clone()))
         return real_terms(logp, old_logp, *args)
 
-    monkeypatch.setattr(update_module, "grpo_token_terms", spy)
-    parameters = trainable_parameters(policy)
+    monkeypatch.setattr(objectives, "grpo_token_terms", spy)
+    parameters = list(trainable_parameters(policy).values())
     optimizer = torch.optim.AdamW(parameters, lr=5e-2)
     record = run_update(policy, hand_batch(prompts), optimizer, groups_per_update=1,
                         micro_batch_size=8, clip_epsilon=0.01)
@@ -321,7 +315,7 @@ def test_non_finite_loss_raises_and_leaves_parameters(policy, prompts):
     batch = hand_batch(prompts)
     batch.advantages[1] = float("nan")
     before = snapshot(policy.model)
-    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=1e-3)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy).values(), lr=1e-3)
     with pytest.raises(NonFiniteUpdate):
         run_update(policy, batch, optimizer)
     assert not optimizer.state
@@ -330,7 +324,7 @@ def test_non_finite_loss_raises_and_leaves_parameters(policy, prompts):
 
 
 def test_inverse_cdf_sampling_follows_the_distribution_and_the_nucleus():
-    from grpogate.rollout import _sample
+    from grpogate.sampling.rollout import _sample
 
     probs = torch.tensor([0.5, 0.25, 0.125, 0.125, 0.0])
     logits = torch.log(probs).expand(20_000, -1)  # log 0 = -inf: that token must never appear
@@ -354,7 +348,7 @@ def test_two_level_sampling_is_exact_across_block_boundaries(block):
     """Blocks of 2 and 3 split the 7-token vocabulary with a ragged last block; block 5 leaves a
     2-token tail. Zero-probability tokens (ids 1 and 6, one of them alone in the tail for
     block 3) are never drawn, and the frequencies follow the distribution."""
-    from grpogate.rollout import _sample
+    from grpogate.sampling.rollout import _sample
 
     probs = torch.tensor([0.3, 0.0, 0.2, 0.1, 0.25, 0.15, 0.0])
     logits = torch.log(probs).expand(40_000, -1)
@@ -367,7 +361,7 @@ def test_two_level_sampling_is_exact_across_block_boundaries(block):
 
 
 def test_sampling_leaves_the_callers_float32_logits_untouched():
-    from grpogate.rollout import _sample
+    from grpogate.sampling.rollout import _sample
 
     logits = torch.randn(4, 50)
     before = logits.clone()

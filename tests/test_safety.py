@@ -16,7 +16,9 @@ import pytest
 
 import grpogate
 
-SOURCES = sorted(Path(grpogate.__file__).parent.glob("*.py"))
+PACKAGE = Path(grpogate.__file__).parent
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+IDS = [str(p.relative_to(PACKAGE)) for p in SOURCES]
 
 
 def calls(path: Path):
@@ -33,7 +35,7 @@ def dotted(function: ast.expr) -> str:
     return ""
 
 
-@pytest.mark.parametrize("path", SOURCES, ids=[p.name for p in SOURCES])
+@pytest.mark.parametrize("path", SOURCES, ids=IDS)
 def test_no_code_evaluation(path):
     # `model.eval()` is torch's train/eval switch, an attribute call, not the builtin.
     for where, node in calls(path):
@@ -47,7 +49,7 @@ def test_no_code_evaluation(path):
             assert not any(m.split(".")[0] in ("sympy", "math_verify") for m in modules), path.name
 
 
-@pytest.mark.parametrize("path", SOURCES, ids=[p.name for p in SOURCES])
+@pytest.mark.parametrize("path", SOURCES, ids=IDS)
 def test_every_torch_load_is_weights_only(path):
     for where, node in calls(path):
         if dotted(node.func) == "torch.load":

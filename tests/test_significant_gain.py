@@ -6,9 +6,9 @@ import json
 import pytest
 from synthetic_run import write_synthetic_run
 
-from grpogate.audit import audit_run
+from grpogate.evidence.audit import audit_run
 from grpogate.config import Gates, load_config
-from grpogate.decisions import decide_run, evaluate_grpo_candidate, validate_gates
+from grpogate.evidence.decisions import decide_run, evaluate_grpo_candidate, validate_gates
 from grpogate.errors import InputError
 
 SHA = "0123456789abcdef" * 4

@@ -7,10 +7,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from grpogate import metrics
+from grpogate.evidence import metrics
 from grpogate.cli import app
 from grpogate.errors import InputError
-from grpogate.evidence import read_jsonl
+from grpogate.files import read_jsonl
 from grpogate.standalone_eval import (EVAL_FILE_KIND, compare_evaluations, evaluate_standalone,
                                       parse_policy_spec, parse_tasks_spec)
 
@@ -127,7 +127,7 @@ def test_eval_reproduces_the_runs_retest(tiny_config, tmp_path):
     paired = compare_evaluations(baseline_document, document, bootstrap_seed=config.seed)["paired"]
     assert paired == evidence["comparison"]["paired"]
     # The same real (tiny) run, re-checked from its files: the audit agrees with it.
-    from grpogate.audit import audit_run
+    from grpogate.evidence.audit import audit_run
 
     assert audit_run(run_dir)["mismatches"] == []
 

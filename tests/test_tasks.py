@@ -1,4 +1,4 @@
-"""Tests for grpogate.tasks: prompt ids, GSM8K and reasoning-gym loaders, set checks."""
+"""Tests for grpogate.inputs.tasks: prompt ids, GSM8K and reasoning-gym loaders, set checks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 
 from grpogate.errors import InputError
-from grpogate.tasks import (
+from grpogate.inputs.tasks import (
     Problem,
     check_isolation,
     check_problem_set,

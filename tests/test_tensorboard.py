@@ -4,7 +4,7 @@ import struct
 
 import pytest
 
-from grpogate.tensorboard import (EventFileError, TensorBoardWriter, crc32c, decode_event,
+from grpogate.evidence.tensorboard import (EventFileError, TensorBoardWriter, crc32c, decode_event,
                                   encode_event, event_file_name, frame_record, masked_crc32c,
                                   read_records, read_scalars, step_scalars)
 

@@ -5,15 +5,18 @@ import math
 import pytest
 import torch
 
-from grpogate.update import (
-    build_update_batch,
-    grpo_loss,
-    grpo_token_terms,
-    group_advantages,
-    loss_denominator,
-    aggregate_loss,
-    valid_group_mask,
-)
+from grpogate.training.advantages import build_update_batch, group_advantages, valid_group_mask
+from grpogate.training.objectives import (aggregate_loss, grpo_token_terms, loss_denominator,
+                                          micro_batch_loss)
+
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_epsilon, kl_coef, aggregation):
+    """The loss of a step that is one micro-batch: the update's own composition."""
+    denominator = loss_denominator(mask.sum(-1).long().tolist(), aggregation)
+    loss, _, _ = micro_batch_loss(logp, old_logp, ref_logp, advantages, mask,
+                                  clip_epsilon=clip_epsilon, kl_coef=kl_coef,
+                                  aggregation=aggregation, denominator=denominator)
+    return loss
 
 # SPEC §4's reference groups.
 REFERENCE_REWARDS = [[0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0],

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import grpogate.verifiers as verifiers
-from grpogate.verifiers import extract_final_answer, get_verifier, last_number, reference_number
+import grpogate.inputs.verifiers as verifiers
+from grpogate.inputs.verifiers import extract_final_answer, get_verifier, last_number, reference_number
 
 GSM8K = "gsm8k-final-number-v1"
 
@@ -298,10 +298,10 @@ def test_doctests():
 
 def test_importing_verifiers_does_not_import_torch():
     code = (
-        "import sys, grpogate.verifiers, grpogate.decisions\n"
+        "import sys, grpogate.inputs.verifiers, grpogate.evidence.decisions\n"
         "assert 'torch' not in sys.modules, 'import'\n"
         "assert 'reasoning_gym' not in sys.modules, 'lazy'\n"
-        "grpogate.verifiers.get_verifier('reasoning-gym/chain_sum')\n"
+        "grpogate.inputs.verifiers.get_verifier('reasoning-gym/chain_sum')\n"
         "assert 'torch' not in sys.modules, 'reasoning-gym verifier'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

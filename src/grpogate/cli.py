@@ -162,7 +162,7 @@ def run(
 def _resume_config(run_dir: str, out, label, dry_run: bool, profile, config_file: str,
                    gates_file: str, overrides: list[str], named: dict):
     """The stored config of the run in `run_dir`; the other options may only repeat it."""
-    from grpogate.checkpoint import checkpoint_to_resume
+    from grpogate.training.checkpoint import checkpoint_to_resume
     from grpogate.config import resume_config
 
     if out is not None or label is not None:
@@ -186,7 +186,7 @@ def decide(
     Exit codes: 0 the audit agrees with the run's own decision and nothing mismatches; 4 reject
     because something mismatches (the fields are named); 2 not a readable run directory.
     """
-    from grpogate.audit import audit_run
+    from grpogate.evidence.audit import audit_run
 
     try:
         audit = audit_run(run_dir)
@@ -237,9 +237,9 @@ def eval_policy(
     """Evaluate one policy alone: per-prompt records plus reduced metrics, for `grpogate compare`."""
     from pathlib import Path
 
-    from grpogate.evidence import atomic_write_json
-    from grpogate.standalone_eval import (EVAL_SEED_OFFSET, evaluate_standalone,
-                                          parse_policy_spec, parse_tasks_spec)
+    from grpogate.evidence.assemble import EVAL_SEED_OFFSET
+    from grpogate.files import atomic_write_json
+    from grpogate.standalone_eval import evaluate_standalone, parse_policy_spec, parse_tasks_spec
 
     try:
         if Path(out).exists():
@@ -283,7 +283,7 @@ def compare(
     """
     from pathlib import Path
 
-    from grpogate.evidence import atomic_write_json
+    from grpogate.files import atomic_write_json
     from grpogate.standalone_eval import compare_evaluations
 
     try:
@@ -331,7 +331,7 @@ def report(
     run_dir: str = typer.Argument(..., help="A run directory (evidence.json)."),
 ) -> None:
     """Write RUN_DIR/report.html (self-contained, images embedded) and the report_*.png beside it."""
-    from grpogate.report import write_report
+    from grpogate.evidence.report import write_report
 
     try:
         path = write_report(run_dir)

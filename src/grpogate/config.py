@@ -121,7 +121,7 @@ class RunConfig:
 
     @property
     def steps(self) -> int:
-        return self.train_prompts // self.prompts_per_step
+        return step_count(self.train_prompts, self.prompts_per_step)
 
     def resolved_verifier(self) -> str:
         if self.verifier:
@@ -137,6 +137,11 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def step_count(train_prompts: int, prompts_per_step: int) -> int:
+    """Training steps: whole steps of prompts (a remainder is not trained on)."""
+    return train_prompts // prompts_per_step
 
 
 LOSS_AGGREGATIONS = ("sequence_mean", "token_mean")
@@ -183,7 +188,7 @@ def validate(config: RunConfig) -> RunConfig:
          "or a Hugging Face dataset id")
     need(not (config.baseline_manifest and config.adapter),
          "give either baseline_manifest or adapter, not both (the manifest names its adapter)")
-    from grpogate.decisions import validate_gates
+    from grpogate.gates import validate_gates
 
     validate_gates(dataclasses.asdict(config.gates))
     return config
@@ -232,7 +237,7 @@ def _read_gates_file(path: str) -> dict:
     if not isinstance(table, dict) or set(document) != {"gates"}:
         raise InputError(f"{path}: a gates file holds exactly one table, [gates] "
                          "(JSON: {\"gates\": {...}})")
-    from grpogate.decisions import GATE_NAMES, SWITCH_GATE_NAMES
+    from grpogate.gates import GATE_NAMES, SWITCH_GATE_NAMES
 
     for name in table:
         if name not in GATE_NAMES + SWITCH_GATE_NAMES:
@@ -243,7 +248,7 @@ def _read_gates_file(path: str) -> dict:
 
 def _check_gates(config: RunConfig, where: str) -> None:
     """Validate the gates right after a source set them, so the error names that source."""
-    from grpogate.decisions import validate_gates
+    from grpogate.gates import validate_gates
 
     try:
         validate_gates(dataclasses.asdict(config.gates))

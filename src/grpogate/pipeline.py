@@ -1,13 +1,15 @@
-"""One run: admission, rollout, reward and update, independent re-test, delivery — in that order.
+"""One run: admission, rollout + update, independent re-test, delivery — each one call, in order.
 
-Each stage takes plain data from the one before. Stage seconds are measured separately
-(rollout = generation, verification = scoring, update, evaluation) and memory is read at the
-end. Nothing is written before admission passes; the manifest is written last.
+`_execute` reads as the stages: load the policy and encode the prompts, open the run directory
+(or reopen a killed one), train (training/loop.py checkpoints after every step), deliver the
+adapter, re-test both policies on the eval prompts, assemble the evidence from plain records
+(evidence/assemble.py, the function the audit calls too) and write it, the manifest last.
+Nothing is written before admission passes.
 
-The rollout / update loop (training.py) checkpoints after every step; `resume` continues a
-killed run from its last checkpoint with the run's stored config and finishes it normally.
-SIGINT / SIGTERM stop a run at the next safe point: the evidence then says `interrupted`, the
-re-test is skipped (its fields zero and flagged), and the decision is `reject`.
+`resume` continues a killed run from its last checkpoint with the run's stored config and
+finishes it normally. SIGINT / SIGTERM stop a run at the next safe point: the evidence then
+says `interrupted`, the re-test is skipped (its fields zero and flagged), and the decision is
+`reject`.
 """
 
 from __future__ import annotations
@@ -23,26 +25,27 @@ from pathlib import Path
 
 import torch
 
-from grpogate import decisions, metrics
-from grpogate.checkpoint import (CHECKPOINTS, Checkpoint, checkpoint_to_resume,
-                                 remove_checkpoints, restore_training_state, save_checkpoint)
 from grpogate.config import RunConfig, resume_config
 from grpogate.errors import InputError
-from grpogate.evaluate import evaluate_policy
-from grpogate.evidence import (JsonlLog, atomic_directory, atomic_write_bytes, atomic_write_json,
-                               build_manifest, create_run_dir, jsonl_bytes, library_versions,
-                               read_baseline_manifest, read_jsonl, refuse_existing_output,
-                               remove_staging, sha256_path)
+from grpogate.evidence.assemble import assemble_evidence, library_versions
+from grpogate.evidence.manifest import build_manifest, read_baseline_manifest
+from grpogate.evidence.tensorboard import TensorBoardWriter
+from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, atomic_directory, atomic_write_bytes,
+                            atomic_write_json, create_run_dir, jsonl_bytes, read_jsonl,
+                            refuse_existing_output, remove_staging, sha256_path)
+from grpogate.inputs import tasks
+from grpogate.inputs.policy import (Policy, check_adapter_dir, current_version, default_cache_dir,
+                                    load_policy, resolve_base_model, save_adapter,
+                                    trainable_parameters)
+from grpogate.inputs.tasks import Problem
+from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import RunInterrupted, StopRequest, stop_on_signals
-from grpogate.policy import (Policy, current_version, load_policy, sampling_weights,
-                             resolve_base_model, default_cache_dir, check_adapter_dir,
-                             save_adapter, trainable_parameters)
-from grpogate.rollout import encode_prompts
-from grpogate import tasks
-from grpogate.tasks import Problem
-from grpogate.tensorboard import TensorBoardWriter
-from grpogate.training import TrainingProgress, sampling_settings, train, trainable_tensors
-from grpogate.verifiers import get_verifier
+from grpogate.sampling.retest import retest_both
+from grpogate.sampling.rollout import encode_prompts
+from grpogate.training.checkpoint import (CHECKPOINTS, Checkpoint, CheckpointWriter,
+                                          checkpoint_to_resume, remove_checkpoints,
+                                          restore_training_state)
+from grpogate.training.loop import Loop, LoopState, train
 
 
 class NullReporter:
@@ -135,77 +138,6 @@ def peak_memory(device: torch.device) -> dict:
             "peak_rss_bytes": rss}
 
 
-def rollout_evidence(trajectories: list[dict], steps: list[dict], seconds: dict, group_size: int,
-                     verifier_errors: int) -> dict:
-    summary = metrics.rollout_summary(trajectories, group_size)
-    generated = sum(s["generated_tokens"] for s in steps)
-    return {"group_size": group_size, **summary, "rollout_seconds": seconds["rollout"],
-            "verification_seconds": seconds["verification"], "generated_tokens": generated,
-            "generation_tokens_per_second": generated / seconds["rollout"] if seconds["rollout"] else 0.0,
-            "decode_paths": sorted({s["decode_path"] for s in steps if "decode_path" in s}),
-            "verifier_errors": verifier_errors}
-
-
-def update_evidence(config: RunConfig, steps: list[dict], seconds: dict) -> dict:
-    tokens = sum(s["tokens"] for s in steps)
-    return {
-        "update_count": sum(s["update_count"] for s in steps), "update_seconds": seconds["update"],
-        "clip_epsilon": config.clip_epsilon, "kl_coef": config.kl_coef,
-        "mean_kl": sum(s["mean_kl"] * s["tokens"] for s in steps) / tokens if tokens else 0.0,
-        "clip_fraction": sum(s["clip_fraction"] * s["tokens"] for s in steps) / tokens if tokens else 0.0,
-        "grad_norm": [g for s in steps for g in s["grad_norm"]],
-        "learning_rate": config.learning_rate, "optimizer": "AdamW",
-        "max_grad_norm": config.max_grad_norm, "loss_aggregation": config.loss_aggregation,
-        "trained_sequences": sum(s["sequences"] for s in steps), "trained_tokens": tokens,
-    }
-
-
-def retest(policy: Policy, admission: Admission, prompts: list[list[int]], baseline_version: str,
-           candidate_version: str, reporter, stop: StopRequest) -> tuple[list[dict], dict] | None:
-    """Fresh completions of both policies on the encoded eval prompts, same seed, paired
-    comparison. None when a stop was requested before either policy's pass (a safe point)."""
-    config = admission.config
-    settings = sampling_settings(config)
-    records = {}
-    errors_before = admission.verifier.error_count
-    for name, version, mode in (
-            ("baseline", baseline_version, lambda: sampling_weights(policy, baseline=True)),
-            ("candidate", candidate_version, lambda: sampling_weights(policy))):
-        if stop.requested:
-            return None
-        with reporter.task(f"re-test {name}", len(prompts) * config.eval_group_size) as advance:
-            records[name] = evaluate_policy(
-                policy.model, policy.tokenizer, admission.eval, prompts, policy_name=name,
-                policy_version=version, verifier=admission.verifier,
-                group_size=config.eval_group_size, settings=settings, seed=config.seed + 10_000,
-                mode=mode, progress=advance)
-    baseline = metrics.summarize_completions(records["baseline"], config.eval_group_size,
-                                             config.max_new_tokens)
-    candidate = metrics.summarize_completions(records["candidate"], config.eval_group_size,
-                                              config.max_new_tokens)
-    paired = metrics.paired_comparison(baseline, candidate, seed=config.seed)
-    comparison = {
-        "reward_mean_gain": candidate["mean_reward"] - baseline["mean_reward"],
-        "pass_at_group_gain": candidate["pass_at_group"] - baseline["pass_at_group"],
-        "eval_group_size": config.eval_group_size, "eval_seed": config.seed + 10_000,
-        "baseline": baseline, "candidate": candidate, "paired": paired,
-        "verifier_errors": admission.verifier.error_count - errors_before,
-    }
-    return records["baseline"] + records["candidate"], comparison
-
-
-def skipped_comparison(config: RunConfig) -> dict:
-    """The comparison of a run stopped before its re-test: every field present, zero, and
-    flagged, so readers and `decisions.decide_run` work (which fails the quality checks)."""
-    empty = {"prompt_count": 0, "completion_count": 0, "mean_reward": 0.0, "pass_at_group": 0.0,
-             "max_length_hit_ratio": 0.0, "length": metrics.length_summary([]),
-             "length_histogram": None, "per_prompt": []}
-    return {"skipped": True, "reward_mean_gain": 0.0, "pass_at_group_gain": 0.0,
-            "eval_group_size": config.eval_group_size, "eval_seed": config.seed + 10_000,
-            "baseline": dict(empty), "candidate": dict(empty), "paired": {},
-            "verifier_errors": 0}
-
-
 def deliver_adapter(policy: Policy, run_dir: Path) -> str:
     """Write adapter/ through a staging directory and a rename; returns the weights' sha256."""
     with atomic_directory(run_dir / "adapter") as staging:
@@ -252,14 +184,39 @@ def resume(run_dir: str | Path, config: RunConfig | None = None, reporter=None) 
                         checkpoint)
 
 
-def _execute(admission: Admission, reporter, stop: StopRequest,
-             resumed: Checkpoint | None) -> dict:
+@dataclass
+class Prepared:
+    """The loaded policy, its prompts encoded, and what the run's optimizer trains."""
+
+    policy: Policy
+    train_prompts: list[list[int]]
+    eval_prompts: list[list[int]]
+    trainable: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    inputs: dict  # input_identity: what a resumed run must find unchanged
+    load_seconds: float
+
+
+@dataclass
+class OpenRun:
+    """The run directory being written, new or reopened, and the loop's state in it."""
+
+    run_dir: Path
+    run_label: str
+    log: JsonlLog
+    state: LoopState
+    resumes: list[dict]
+    checkpoints: CheckpointWriter
+
+
+def prepare(admission: Admission) -> Prepared:
+    """Load the policy and encode both prompt sets; nothing is written yet."""
     config = admission.config
-    started_run = time.perf_counter()
+    started = time.perf_counter()
     policy = load_policy(dataclasses.replace(config, model=admission.model_spec,
                                              model_revision=admission.model_revision),
                          adapter=admission.adapter, seed=config.seed)
-    load_seconds = time.perf_counter() - started_run
+    load_seconds = time.perf_counter() - started
     if policy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(policy.device)
     # Encoded before anything is written: a prompt over max_prompt_tokens is bad input, and an
@@ -267,94 +224,96 @@ def _execute(admission: Admission, reporter, stop: StopRequest,
     train_prompts, eval_prompts = (
         encode_prompts(policy.tokenizer, problems, config.resolved_system_prompt(),
                        config.max_prompt_tokens) for problems in (admission.train, admission.eval))
-    inputs = input_identity(admission, policy)
-    trainable = trainable_tensors(policy)
-    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=config.learning_rate,
+    trainable = trainable_parameters(policy)
+    optimizer = torch.optim.AdamW(trainable.values(), lr=config.learning_rate,
                                   weight_decay=config.weight_decay)
-    if stop.requested:  # nothing written or changed yet: stopping here leaves no trace
-        raise RunInterrupted(stop.signal_name)
+    return Prepared(policy, train_prompts, eval_prompts, trainable, optimizer,
+                    input_identity(admission, policy), load_seconds)
+
+
+def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | None,
+             started: float, reporter) -> OpenRun:
+    """Create the run directory, or reopen a killed run at its last checkpoint."""
+    config = admission.config
     if resumed is None:
-        run_label = config.label or admission.run_dir.name
         run_dir = create_run_dir(admission.run_dir)
+        run_label = config.label or admission.run_dir.name
         log = JsonlLog(run_dir / "trajectories.jsonl")
-        progress = TrainingProgress(micro_batch_size=config.micro_batch_size)
-        resumes, earlier_seconds = [], 0.0
+        state, resumes, earlier_seconds = LoopState(micro_batch_size=config.micro_batch_size), [], 0.0
     else:
-        state, run_dir = resumed.state, admission.run_dir
-        changed = [key for key in inputs if json_roundtrip(inputs[key]) != state["inputs"].get(key)]
+        checkpoint, run_dir = resumed.state, admission.run_dir
+        changed = [key for key in prepared.inputs
+                   if json_roundtrip(prepared.inputs[key]) != checkpoint["inputs"].get(key)]
         if changed:
             raise InputError(f"{resumed.directory}/state.json: the run's inputs changed since it "
                              f"started ({', '.join(changed)}); it cannot be resumed")
-        restore_training_state(resumed, trainable, optimizer)
+        restore_training_state(resumed, prepared.trainable, prepared.optimizer)
         # Lines written after the checkpoint belong to a step that never finished: drop them.
         log = JsonlLog(run_dir / "trajectories.jsonl", existing=True)
-        log.truncate(state["trajectories_offset"])
+        log.truncate(checkpoint["trajectories_offset"])
         remove_staging(run_dir)
         remove_staging(run_dir / CHECKPOINTS)
-        progress = TrainingProgress.from_state(state, read_jsonl(log.path))
-        run_label = state["run_label"]
-        resumes = state["resumes"] + [{"from_step": progress.next_step,
-                                       "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}]
-        earlier_seconds = state["elapsed_seconds"]
-        reporter.log(f"resuming {run_dir} at step {progress.next_step + 1}/{config.steps}")
+        state = LoopState.from_checkpoint(checkpoint, read_jsonl(log.path))
+        run_label = checkpoint["run_label"]
+        resumes = checkpoint["resumes"] + [{
+            "from_step": state.next_step,
+            "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}]
+        earlier_seconds = checkpoint["elapsed_seconds"]
+        reporter.log(f"resuming {run_dir} at step {state.next_step + 1}/{config.steps}")
     reporter.log(f"run directory: {run_dir}")
+    header = {"config": config.to_dict(), "run_label": run_label, "inputs": prepared.inputs,
+              "resumes": resumes}
+    return OpenRun(run_dir, run_label, log, state, resumes,
+                   CheckpointWriter(run_dir, header, prepared.trainable, prepared.optimizer,
+                                    started, earlier_seconds))
 
-    def save_checkpoint_of(progress: TrainingProgress) -> None:
-        elapsed = earlier_seconds + time.perf_counter() - started_run
-        save_checkpoint(run_dir, {"config": config.to_dict(), "run_label": run_label,
-                                  "inputs": inputs, "resumes": resumes,
-                                  "elapsed_seconds": elapsed, **progress.state()},
-                        trainable, optimizer)
 
+def train_policy(admission: Admission, prepared: Prepared, opened: OpenRun, reporter,
+                 stop: StopRequest) -> None:
+    """The rollout / update loop, with per-step scalars to TensorBoard when asked."""
+    config = admission.config
+    loop = Loop(prepared.policy, config, admission.verifier, admission.train,
+                prepared.train_prompts, opened.log, reporter, opened.run_label,
+                prepared.optimizer, stop, opened.checkpoints)
     # A resumed run opens a new events file in the same directory; TensorBoard merges them.
     with (TensorBoardWriter(config.tensorboard) if config.tensorboard
           else contextlib.nullcontext()) as tensorboard:
         if tensorboard is not None:
             reporter.log(f"tensorboard events: {tensorboard.path}")
-        train(policy, admission, train_prompts, log, reporter, run_label=run_label,
-              progress=progress, optimizer=optimizer, stop=stop,
-              save_checkpoint_of=save_checkpoint_of,
-              on_step=tensorboard.write_step if tensorboard is not None else None)
-    steps, trajectories, seconds = progress.steps, progress.trajectories, progress.seconds
+        train(loop, opened.state, on_step=tensorboard.write_step if tensorboard else None)
 
-    adapter_sha = deliver_adapter(policy, run_dir)
-    candidate_version = current_version(policy)
-    started = time.perf_counter()
-    retested = None
-    if progress.status == "ok" and stop.requested:
-        progress.interrupt(stop, "before the re-test")
-    elif progress.status != "interrupted":
-        retested = retest(policy, admission, eval_prompts, policy.baseline_version,
-                          candidate_version, reporter, stop)
-        if retested is None:
-            progress.interrupt(stop, "during the re-test")
-    eval_records, comparison = retested or ([], skipped_comparison(config))
-    seconds["evaluation"] = time.perf_counter() - started
 
-    rollout = rollout_evidence(trajectories, steps, seconds, config.group_size,
-                               progress.verifier_errors)
-    update = update_evidence(config, steps, seconds)
-    # An out-of-memory update is retried once at half the micro-batch, which then stays.
-    update |= {"micro_batch_size": progress.micro_batch_size, "oom_retries": progress.oom_retries}
-    status = progress.status
-    if status == "ok" and (rollout["valid_group_count"] == 0 or update["update_count"] == 0):
-        status = "no_effective_update"
+def retest_stage(admission: Admission, prepared: Prepared, state: LoopState,
+                 candidate_version: str, reporter, stop: StopRequest) -> tuple[list[dict], int, bool]:
+    """The re-test unless the loop stopped or a stop is pending: (records, verifier errors,
+    skipped). A stop during the re-test skips it as a whole."""
+    config = admission.config
+    if state.status == "ok" and stop.requested:
+        state.interrupt(stop, "before the re-test")
+    elif state.status != "interrupted":
+        retested = retest_both(prepared.policy, admission.eval, prepared.eval_prompts,
+                               admission.verifier, config, candidate_version, reporter, stop)
+        if retested is not None:
+            return (*retested, False)
+        state.interrupt(stop, "during the re-test")
+    return [], 0, True
+
+
+def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds: dict,
+              retested: tuple[list[dict], int, bool], adapter_sha: str,
+              candidate_version: str) -> dict:
+    """What only the run knows, as `assemble_evidence` takes it."""
+    config, policy, state = admission.config, prepared.policy, opened.state
     # The artifact counts only if the file on disk still hashes to what we recorded.
-    on_disk = sha256_path(run_dir / "adapter" / "adapter_model.safetensors")
-    evidence = {
-        "grpogate_evidence_version": 1,
-        "run_label": run_label,
+    on_disk = sha256_path(opened.run_dir / "adapter" / ADAPTER_WEIGHTS)
+    return {
+        "run_label": opened.run_label,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "status": status,
-        "failure": progress.failure,
-        "interruption": progress.interruption,
-        "resumes": resumes,
-        "config": config.to_dict(),
+        "loop_status": state.status, "failure": state.failure,
+        "interruption": state.interruption, "resumes": opened.resumes,
         "environment": library_versions() | {
             "torch_threads": torch.get_num_threads(), "device": str(policy.device),
             "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch.")},
-        "seeds": {"run": config.seed, "rollout": [config.seed + s for s in range(config.steps)],
-                  "eval": config.seed + 10_000, "bootstrap": config.seed},
         "inputs": {
             "model": policy.base.identity(),
             "baseline_adapter": ({"path": admission.adapter, "sha256": policy.baseline_adapter_sha256}
@@ -364,44 +323,59 @@ def _execute(admission: Admission, reporter, stop: StopRequest,
             "verifier": {"name": config.resolved_verifier(), "version": admission.verifier.version},
             "train_set": admission.train_identity, "eval_set": admission.eval_identity,
         },
-        "contract": progress.contract,
-        "rollout": rollout,
-        "update": update,
-        "comparison": comparison,
-        "timings": {"load_seconds": load_seconds, "rollout_seconds": seconds["rollout"],
-                    "verification_seconds": seconds["verification"],
-                    "update_seconds": seconds["update"],
-                    "evaluation_seconds": seconds["evaluation"],
-                    "checkpoint_seconds": seconds["checkpoint"]},
-        "resources": peak_memory(policy.device),
+        "contract": state.contract, "seconds": seconds,
+        "verifier_errors": state.verifier_errors, "retest_verifier_errors": retested[1],
+        "retest_skipped": retested[2], "micro_batch_size": state.micro_batch_size,
+        "oom_retries": state.oom_retries, "resources": peak_memory(policy.device),
         "artifact": {"path": "adapter", "sha256": adapter_sha if on_disk == adapter_sha else "",
                      "source_policy_version": policy.baseline_version,
                      "new_policy_version": candidate_version},
-        "steps": steps,
     }
-    candidate = decisions.evaluate_grpo_candidate(evidence, dataclasses.asdict(config.gates))
-    evidence["effective_trajectory_count"] = candidate["effective_trajectory_count"]
-    evidence["effective_trajectories_per_second"] = candidate["effective_trajectories_per_second"]
-    evidence["valid_group_ratio"] = candidate["valid_group_ratio"]
-    evidence["timings"]["total_seconds"] = earlier_seconds + time.perf_counter() - started_run
-    evidence["decision"] = decisions.decide_run(evidence, dataclasses.asdict(config.gates))
 
+
+def write_run_files(run_dir: Path, evidence: dict, eval_records: list[dict],
+                    trajectories: list[dict], reporter) -> None:
+    """Re-test records, evidence, then the manifest (last: the run is complete), the report."""
     atomic_write_bytes(run_dir / "eval_completions.jsonl", jsonl_bytes(eval_records))
     atomic_write_json(run_dir / "evidence.json", evidence)
     atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))
     # The manifest marks the run complete, so it can no longer be resumed: checkpoints are waste.
     remove_checkpoints(run_dir)
-    evidence["run_dir"] = str(run_dir)
     # The report is derived from the files above and written after the manifest: a plotting
     # failure (any exception type matplotlib may raise) is logged and never loses the run;
     # `grpogate report RUN_DIR` can write it again.
     try:
-        from grpogate.report import write_report
+        from grpogate.evidence.report import write_report
 
         reporter.log(f"report: {write_report(run_dir)}")
     except Exception as error:  # noqa: BLE001
         reporter.log(f"[yellow]report not written ({type(error).__name__}: {error}); "
                      f"retry with `grpogate report {run_dir}`")
+
+
+def _execute(admission: Admission, reporter, stop: StopRequest,
+             resumed: Checkpoint | None) -> dict:
+    config = admission.config
+    started = time.perf_counter()
+    prepared = prepare(admission)
+    if stop.requested:  # nothing written or changed yet: stopping here leaves no trace
+        raise RunInterrupted(stop.signal_name)
+    opened = open_run(admission, prepared, resumed, started, reporter)
+    train_policy(admission, prepared, opened, reporter, stop)
+    adapter_sha = deliver_adapter(prepared.policy, opened.run_dir)
+    candidate_version = current_version(prepared.policy)
+    evaluation_started = time.perf_counter()
+    retested = retest_stage(admission, prepared, opened.state, candidate_version, reporter, stop)
+    seconds = {**opened.state.seconds, "load": prepared.load_seconds,
+               "evaluation": time.perf_counter() - evaluation_started}
+    seconds["total"] = opened.checkpoints.elapsed()
+    facts = run_facts(admission, prepared, opened, seconds, retested, adapter_sha,
+                      candidate_version)
+    state = opened.state
+    evidence = assemble_evidence(facts, config.to_dict(), state.steps, state.trajectories,
+                                 retested[0])
+    write_run_files(opened.run_dir, evidence, retested[0], state.trajectories, reporter)
+    evidence["run_dir"] = str(opened.run_dir)
     return evidence
 
 

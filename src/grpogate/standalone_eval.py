@@ -18,15 +18,14 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from grpogate import metrics
+from grpogate.evidence import metrics
 from grpogate.config import RunConfig
 from grpogate.errors import InputError
-from grpogate.evidence import library_versions
-from grpogate.tasks import load_gsm8k, load_reasoning_gym, problem_set_hash
+from grpogate.evidence.assemble import library_versions
+from grpogate.inputs.tasks import load_eval_set
 
 EVAL_FILE_KIND = "grpogate-eval"
 EVAL_FILE_VERSION = 1
-EVAL_SEED_OFFSET = 10_000  # the pipeline's re-test samples with seed = run seed + 10,000
 POLICY_NAME = "policy"  # the `policy` field of every record in an eval file
 # Sampling settings that change what a policy can answer; a difference is reported, not refused.
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "max_prompt_tokens", "system_prompt")
@@ -53,30 +52,21 @@ def parse_tasks_spec(spec: str) -> dict[str, str]:
 
 
 def load_eval_problems(config: RunConfig) -> tuple[list, dict]:
-    """The eval set exactly as `pipeline.load_problem_sets` draws it for a run."""
-    task = config.task
-    if task.source == "gsm8k":
-        problems, identity = load_gsm8k(task.path, task.eval_split, config.eval_prompts,
-                                        task.eval_seed)
-    else:
-        problems, identity = load_reasoning_gym(task.name, task.params, config.eval_prompts,
-                                                task.eval_seed)
-    identity["problem_set_sha256"] = problem_set_hash(problems)
-    return problems, identity
+    """The eval set exactly as a run draws it."""
+    return load_eval_set(config.task, config.eval_prompts)
 
 
-def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, progress=None) -> dict:
+def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, advance=None) -> dict:
     """Sample `config.eval_group_size` fresh completions per eval prompt from one policy.
 
     `config.model` / `config.adapter` name the policy. The policy runs as the pipeline's
     baseline does (adapter disabled, or the loaded adapter as frozen reference), so its
     version is the one a run starting from it would record.
     """
-    from grpogate.evaluate import evaluate_policy
-    from grpogate.pipeline import sampling_settings
-    from grpogate.policy import load_policy, sampling_weights
-    from grpogate.rollout import encode_prompts
-    from grpogate.verifiers import get_verifier
+    from grpogate.sampling.retest import evaluate_policy
+    from grpogate.inputs.policy import load_policy, sampling_weights
+    from grpogate.sampling.rollout import encode_prompts, sampling_settings
+    from grpogate.inputs.verifiers import get_verifier
 
     try:
         verifier = get_verifier(config.resolved_verifier())
@@ -93,7 +83,7 @@ def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, progress
         policy.model, policy.tokenizer, problems, prompts, policy_name=POLICY_NAME,
         policy_version=policy.baseline_version, verifier=verifier,
         group_size=config.eval_group_size, settings=sampling_settings(config), seed=seed,
-        mode=lambda: sampling_weights(policy, baseline=True), progress=progress)
+        mode=lambda: sampling_weights(policy, baseline=True), advance=advance)
     evaluation_seconds = time.perf_counter() - started
     return {
         "kind": EVAL_FILE_KIND, "version": EVAL_FILE_VERSION,

@@ -28,10 +28,9 @@ from safetensors.torch import load_file
 
 from grpogate.config import BUNDLED_MODEL, RunConfig
 from grpogate.errors import InputError
-from grpogate.evidence import sha256_path
+from grpogate.files import ADAPTER_WEIGHTS, sha256_path
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 TRAINABLE = "default"
 REFERENCE = "reference"
 
@@ -266,8 +265,9 @@ def _freeze_all_but_trainable(model) -> None:
         parameter.requires_grad_(f".{TRAINABLE}." in name and "lora_" in name)
 
 
-def trainable_parameters(policy: Policy) -> list[torch.nn.Parameter]:
-    return [p for p in policy.model.parameters() if p.requires_grad]
+def trainable_parameters(policy: Policy) -> dict[str, torch.nn.Parameter]:
+    """The trained LoRA tensors by name, in the model's parameter order (the optimizer's)."""
+    return {name: p for name, p in policy.model.named_parameters() if p.requires_grad}
 
 
 @contextlib.contextmanager

@@ -272,6 +272,19 @@ def problem_set_hash(problems: list[Problem]) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
+def load_eval_set(task, eval_prompts: int, source: str = "") -> tuple[list[Problem], dict]:
+    """The eval set alone, exactly as a run draws it (`grpogate eval` and the run share it)."""
+    if task.source == "gsm8k":
+        problems, identity = load_gsm8k(source or task.path, task.eval_split, eval_prompts,
+                                        task.eval_seed)
+    else:
+        problems, identity = load_reasoning_gym(task.name, task.params, eval_prompts,
+                                                task.eval_seed)
+    check_problem_set(problems, "eval")
+    identity["problem_set_sha256"] = problem_set_hash(problems)
+    return problems, identity
+
+
 def load_problem_sets(task, train_prompts: int, eval_prompts: int, train_source: str = "",
                       eval_source: str = "") -> tuple[list[Problem], dict, list[Problem], dict]:
     """The run's train and eval sets, checked and hashed.
@@ -280,19 +293,15 @@ def load_problem_sets(task, train_prompts: int, eval_prompts: int, train_source:
     first, so the train generator skips its prompts instead of leaking them. `train_source` /
     `eval_source` replace `task.path` for GSM8K (the audit re-reads the files a run recorded).
     """
+    eval_set, eval_id = load_eval_set(task, eval_prompts, eval_source)
     if task.source == "gsm8k":
-        eval_set, eval_id = load_gsm8k(eval_source or task.path, task.eval_split, eval_prompts,
-                                       task.eval_seed)
         train, train_id = load_gsm8k(train_source or task.path, task.train_split, train_prompts,
                                      task.train_seed)
     else:
-        eval_set, eval_id = load_reasoning_gym(task.name, task.params, eval_prompts, task.eval_seed)
         train, train_id = load_reasoning_gym(task.name, task.params, train_prompts,
                                              task.train_seed,
                                              frozenset(p.prompt_id for p in eval_set))
     check_problem_set(train, "train")
-    check_problem_set(eval_set, "eval")
     check_isolation(train, eval_set)
     train_id["problem_set_sha256"] = problem_set_hash(train)
-    eval_id["problem_set_sha256"] = problem_set_hash(eval_set)
     return train, train_id, eval_set, eval_id

@@ -1,11 +1,11 @@
 """Audit a finished run: re-read its files, recompute what can be recomputed, check every hash.
 
 `grpogate decide RUN_DIR` trusts nothing the run says about itself. From the stored files alone
-it recomputes the rollout quantities (reward groups, valid group ratio, effective trajectories,
-max-length hit ratio, per-step summaries), re-runs the verifier named in the evidence on every
-stored completion (training and re-test) against the reference answers of the reloaded problem
-sets, re-reduces the re-test to metrics and paired statistics, checks every hash the manifest
-records, and re-runs `decisions.decide_run` on the evidence. Counts must match exactly, floats
+it re-runs the verifier named in the evidence on every stored completion (training and re-test)
+against the reference answers of the reloaded problem sets, re-checks every step's rollout
+contract, checks every hash the manifest records, and rebuilds the whole evidence document
+with the run's own `assemble.assemble_evidence` from the stored records (rollout coverage,
+update totals, re-test metrics and paired statistics, effective throughput, status, decision). Counts must match exactly, floats
 within FLOAT_TOLERANCE; any mismatch makes the decision `reject`, with the field named
 (`rollout.reward_groups`, `trajectories.jsonl:17 reward`, `files.evidence.json sha256`).
 
@@ -21,17 +21,16 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from grpogate import decisions, metrics
-from grpogate.errors import InputError
-from grpogate.evidence import RUN_FILES, build_manifest, sha256_path, trace_ids_sha256
 from grpogate.config import TaskConfig
-from grpogate.tasks import load_problem_sets
-from grpogate.verifiers import get_verifier
+from grpogate.errors import InputError
+from grpogate.evidence import decisions
+from grpogate.evidence.assemble import assemble_evidence, recorded_facts, step_summary
+from grpogate.evidence.manifest import RUN_FILES, build_manifest, trace_ids_sha256
+from grpogate.files import ADAPTER_WEIGHTS, sha256_path
+from grpogate.inputs.tasks import load_problem_sets
+from grpogate.inputs.verifiers import get_verifier
 
 FLOAT_TOLERANCE = 1e-9
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # same name as policy.ADAPTER_WEIGHTS (torch-free)
-STEP_FIELDS = ("mean_reward", "group_count", "valid_group_count", "valid_group_ratio",
-               "max_length_hit_ratio", "generated_tokens")
 
 
 class Audit:
@@ -121,9 +120,8 @@ def _numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
 def reload_problem_sets(config: dict, inputs: dict) -> tuple[list, dict, list, dict]:
     """The run's train and eval problems, rebuilt from its recorded configuration.
 
-    Mirrors `pipeline.load_problem_sets` without importing torch (the eval set first, so the
-    train generator skips its prompts); the recorded identities are compared afterwards, so
-    any drift between the two shows up as a named mismatch rather than silently. A GSM8K split
+    Calls the run's own `tasks.load_problem_sets` (pure, no torch); the recorded identities
+    are compared afterwards, so any drift shows up as a named mismatch rather than silently. A GSM8K split
     is read from the absolute file the run recorded when it exists, so a run configured with a
     relative path can be audited from any working directory.
     """
@@ -219,30 +217,19 @@ def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]]
             audit.mismatch(f"{where} reward", record.get("reward"), rescored)
 
 
-def check_rollout(audit: Audit, evidence: dict, trajectories: list[dict]) -> None:
-    """Rollout, per-step and update quantities recomputed from the trajectory records."""
-    config, rollout = evidence["config"], evidence.get("rollout") or {}
-    group_size = config["group_size"]
-    audit.compare("rollout.group_size", rollout.get("group_size"), group_size)
-    try:
-        summary = metrics.rollout_summary(trajectories, group_size)
-    except ValueError as error:
-        audit.mismatch(f"trajectories.jsonl ({error})")
-        return
-    audit.compare("rollout", rollout, summary)
-
+def check_steps(audit: Audit, evidence: dict, trajectories: list[dict]) -> None:
+    """Every step's recorded summary and rollout contract, from that step's trajectory records."""
+    group_size = evidence["config"]["group_size"]
     steps = evidence.get("steps") if isinstance(evidence.get("steps"), list) else []
     for index, step in enumerate(steps):
         records = [r for r in trajectories if r.get("step") == step.get("step")]
         if not records:
             audit.mismatch(f"steps[{index}] (no trajectories for step {step.get('step')!r})")
             continue
-        recomputed = metrics.rollout_summary(records, group_size)
-        recomputed["generated_tokens"] = sum(int(r["completion_tokens"]) for r in records)
-        audit.compare(f"steps[{index}]", step, {k: recomputed[k] for k in STEP_FIELDS})
-    audit.compare("rollout.generated_tokens", rollout.get("generated_tokens"),
-                  sum(s.get("generated_tokens", 0) for s in steps))
-
+        try:
+            audit.compare(f"steps[{index}]", step, step_summary(records, group_size))
+        except (ValueError, KeyError, TypeError) as error:
+            audit.mismatch(f"trajectories.jsonl step {step.get('step')!r} ({error})")
     # Contract: re-check every step's groups against that step's recorded policy version.
     versions = {s.get("step"): s.get("policy_version") for s in steps}
     admitted = bool(trajectories)
@@ -250,44 +237,15 @@ def check_rollout(audit: Audit, evidence: dict, trajectories: list[dict]) -> Non
     for step_number in dict.fromkeys(r.get("step") for r in trajectories):
         records = [r for r in trajectories if r.get("step") == step_number]
         expected_version = versions.get(step_number, records[0].get("source_policy_version"))
-        result = decisions.check_rollout_contract(_contract_groups(records), expected_version,
-                                                  verifier_version, group_size)
-        admitted &= result["admitted"]
+        admitted &= decisions.check_step_contract(records, expected_version, verifier_version,
+                                                  group_size)["admitted"]
     audit.compare("contract.admitted", (evidence.get("contract") or {}).get("admitted"), admitted)
 
-    # The update record totals the per-step records (token-weighted KL and clip fraction).
-    tokens = sum(s.get("tokens", 0) for s in steps)
 
-    def token_mean(key: str) -> float:
-        return sum(s.get(key, 0.0) * s.get("tokens", 0) for s in steps) / tokens if tokens else 0.0
-
-    audit.compare("update", evidence.get("update") or {}, {
-        "update_count": sum(s.get("update_count", 0) for s in steps),
-        "trained_sequences": sum(s.get("sequences", 0) for s in steps),
-        "trained_tokens": tokens, "mean_kl": token_mean("mean_kl"),
-        "clip_fraction": token_mean("clip_fraction"),
-        "grad_norm": [g for s in steps for g in s.get("grad_norm", [])]})
-
-
-def _contract_groups(records: list[dict]) -> list[dict]:
-    """One contract group per prompt; a group mixing versions reads as "mixed" and fails."""
-    groups: dict[str, dict] = {}
-    for record in records:
-        group = groups.setdefault(str(record.get("prompt_id")), {
-            "prompt_id": record.get("prompt_id"),
-            "source_policy_version": record.get("source_policy_version"),
-            "verifier_version": record.get("verifier_version"), "trace_ids": []})
-        for key in ("source_policy_version", "verifier_version"):
-            if record.get(key) != group[key]:
-                group[key] = "mixed"
-        group["trace_ids"].append(record.get("trace_id"))
-    return list(groups.values())
-
-
-def check_retest(audit: Audit, evidence: dict, eval_records: list[dict],
-                 eval_prompt_ids: list[str] | None) -> None:
-    """Re-reduce the stored re-test completions to metrics, gains and paired statistics."""
-    config, comparison = evidence["config"], evidence.get("comparison") or {}
+def check_retest_records(audit: Audit, evidence: dict, eval_records: list[dict],
+                         eval_prompt_ids: list[str] | None) -> None:
+    """A skipped re-test has no records and a run that says so; a held one covers the eval set."""
+    comparison = evidence.get("comparison") or {}
     if comparison.get("skipped") is True:
         # A run stopped before its re-test records zeros; they are only honest if the run
         # says it did not finish and no re-test completion exists.
@@ -297,49 +255,75 @@ def check_retest(audit: Audit, evidence: dict, eval_records: list[dict],
             audit.mismatch("eval_completions.jsonl (records of a skipped re-test)",
                            len(eval_records), 0)
         return
-    summaries = {}
-    for name in ("baseline", "candidate"):
-        records = [r for r in eval_records if r.get("policy") == name]
-        try:
-            summaries[name] = metrics.summarize_completions(records, config["eval_group_size"],
-                                                            config["max_new_tokens"])
-        except (ValueError, KeyError) as error:
-            audit.mismatch(f"eval_completions.jsonl {name} ({error})")
-            return
-        if eval_prompt_ids is not None:
-            audit.compare(f"eval_completions.jsonl {name} prompt ids",
-                          sorted(p["prompt_id"] for p in summaries[name]["per_prompt"]),
-                          sorted(eval_prompt_ids))
-        audit.compare(f"comparison.{name}", comparison.get(name), summaries[name])
-    paired = comparison.get("paired") or {}
-    baseline, candidate = summaries["baseline"], summaries["candidate"]
-    try:
-        recomputed = metrics.paired_comparison(
-            baseline, candidate, resamples=paired.get("resamples", 2000),
-            seed=evidence["seeds"]["bootstrap"], confidence=paired.get("confidence", 0.95))
-    except ValueError as error:  # baseline and candidate answered different prompts
-        audit.mismatch(f"comparison.paired ({error})")
+    if eval_prompt_ids is None:
         return
-    audit.compare("comparison", comparison, {
-        "reward_mean_gain": candidate["mean_reward"] - baseline["mean_reward"],
-        "pass_at_group_gain": candidate["pass_at_group"] - baseline["pass_at_group"],
-        "eval_group_size": config["eval_group_size"], "eval_seed": evidence["seeds"]["eval"],
-        "paired": recomputed})
+    for name in ("baseline", "candidate"):
+        answered = sorted({str(r.get("prompt_id")) for r in eval_records if r.get("policy") == name})
+        audit.compare(f"eval_completions.jsonl {name} prompt ids", answered, sorted(eval_prompt_ids))
 
 
-def check_evidence_consistency(audit: Audit, evidence: dict) -> None:
-    """Fields stored twice in the evidence must agree with each other."""
-    rollout, update, timings = (evidence.get(k) or {} for k in ("rollout", "update", "timings"))
-    audit.compare("timings", timings, {"rollout_seconds": rollout.get("rollout_seconds"),
-                                       "verification_seconds": rollout.get("verification_seconds"),
-                                       "update_seconds": update.get("update_seconds")})
-    candidate = decisions.evaluate_grpo_candidate(evidence, evidence["config"]["gates"])
-    for key in ("valid_group_ratio", "effective_trajectory_count",
-                "effective_trajectories_per_second"):
-        audit.compare(key, evidence.get(key), candidate[key])
+def check_assembly(audit: Audit, evidence: dict, trajectories: list[dict],
+                   eval_records: list[dict]) -> None:
+    """Rebuild the evidence document from the recorded facts and the stored records with the
+    run's own function; every derived field must come out as recorded."""
+    try:
+        rebuilt = assemble_evidence(recorded_facts(evidence), evidence["config"],
+                                    evidence.get("steps") or [], trajectories, eval_records)
+    except (ValueError, KeyError, TypeError) as error:
+        audit.mismatch(f"evidence (cannot be rebuilt from the stored records: "
+                       f"{type(error).__name__} {error})")
+        return
+    rebuilt.pop("decision")  # re-decided below, from the evidence as recorded
+    for key, value in rebuilt.items():
+        audit.compare(key, evidence.get(key), value)
 
 
 # --- the whole audit ----------------------------------------------------------------------------
+
+def _read_run(audit: Audit, run_dir: Path) -> tuple[dict, list, list]:
+    """The manifest (empty when missing) and the numbered trajectory and re-test records."""
+    manifest: dict = {}
+    if (run_dir / "manifest.json").is_file():
+        manifest = _read_object(run_dir / "manifest.json", audit) or {}
+    else:
+        audit.mismatch("manifest.json (missing: the run did not complete)")
+    return (manifest, _numbered_jsonl(run_dir / "trajectories.jsonl", audit),
+            _numbered_jsonl(run_dir / "eval_completions.jsonl", audit))
+
+
+def _reload_references(audit: Audit, evidence: dict) -> tuple[dict | None, dict | None]:
+    """Reference answers by prompt id of the rebuilt train and eval sets (None: unavailable)."""
+    try:
+        train, train_id, eval_set, eval_id = reload_problem_sets(evidence["config"],
+                                                                 evidence["inputs"])
+    except InputError as error:
+        audit.mismatch(f"inputs (cannot reload the problem sets: {error})")
+        return None, None
+    audit.compare("inputs.train_set", evidence["inputs"].get("train_set"), train_id)
+    audit.compare("inputs.eval_set", evidence["inputs"].get("eval_set"), eval_id)
+    return ({p.prompt_id: p.reference for p in train}, {p.prompt_id: p.reference for p in eval_set})
+
+
+def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numbered_eval,
+                       train_refs, eval_refs) -> None:
+    verifier = _verifier(audit, evidence)
+    versions = {s.get("step"): s.get("policy_version") for s in evidence.get("steps") or []}
+    verifier_version = evidence["inputs"]["verifier"]["version"]
+    max_new_tokens = evidence["config"]["max_new_tokens"]
+    check_records(audit, "trajectories.jsonl", numbered_trajectories, verifier, train_refs,
+                  lambda r: {"verifier_version": verifier_version,
+                             "source_policy_version": versions.get(
+                                 r.get("step"), r.get("source_policy_version"))},
+                  max_new_tokens)
+    policy_versions = {"baseline": evidence["inputs"]["baseline_policy_version"],
+                       "candidate": evidence["artifact"]["new_policy_version"]}
+    check_records(audit, "eval_completions.jsonl", numbered_eval, verifier, eval_refs,
+                  lambda r: {"verifier_version": verifier_version,
+                             "seed": evidence["seeds"]["eval"],
+                             "policy_version": policy_versions.get(
+                                 r.get("policy"), "the baseline or candidate version")},
+                  max_new_tokens)
+
 
 def audit_run(run_dir: str | Path) -> dict[str, Any]:
     """Audit one run directory. Returns {"run_dir", "recorded_decision", "decision", "agrees",
@@ -356,50 +340,18 @@ def audit_run(run_dir: str | Path) -> dict[str, Any]:
             audit.mismatch("evidence.json (no config: not a grpogate evidence file)")
         return {"run_dir": str(run_dir), "recorded_decision": None, "decision": "reject",
                 "agrees": False, "mismatches": audit.mismatches, "checks": []}
-    manifest: dict = {}
-    if (run_dir / "manifest.json").is_file():
-        manifest = _read_object(run_dir / "manifest.json", audit) or {}
-    else:
-        audit.mismatch("manifest.json (missing: the run did not complete)")
-    numbered_trajectories = _numbered_jsonl(run_dir / "trajectories.jsonl", audit)
-    numbered_eval = _numbered_jsonl(run_dir / "eval_completions.jsonl", audit)
+    manifest, numbered_trajectories, numbered_eval = _read_run(audit, run_dir)
     trajectories = [record for _, record in numbered_trajectories]
     eval_records = [record for _, record in numbered_eval]
-
     try:
         if manifest:
             check_hashes(audit, run_dir, manifest, evidence, trajectories)
-        verifier = _verifier(audit, evidence)
-        train_refs = eval_refs = None
-        try:
-            train, train_id, eval_set, eval_id = reload_problem_sets(evidence["config"],
-                                                                     evidence["inputs"])
-        except InputError as error:
-            audit.mismatch(f"inputs (cannot reload the problem sets: {error})")
-        else:
-            audit.compare("inputs.train_set", evidence["inputs"].get("train_set"), train_id)
-            audit.compare("inputs.eval_set", evidence["inputs"].get("eval_set"), eval_id)
-            train_refs = {p.prompt_id: p.reference for p in train}
-            eval_refs = {p.prompt_id: p.reference for p in eval_set}
-        versions = {s.get("step"): s.get("policy_version") for s in evidence.get("steps") or []}
-        verifier_version = evidence["inputs"]["verifier"]["version"]
-        max_new_tokens = evidence["config"]["max_new_tokens"]
-        check_records(audit, "trajectories.jsonl", numbered_trajectories, verifier, train_refs,
-                      lambda r: {"verifier_version": verifier_version,
-                                 "source_policy_version": versions.get(
-                                     r.get("step"), r.get("source_policy_version"))},
-                      max_new_tokens)
-        policy_versions = {"baseline": evidence["inputs"]["baseline_policy_version"],
-                           "candidate": evidence["artifact"]["new_policy_version"]}
-        check_records(audit, "eval_completions.jsonl", numbered_eval, verifier, eval_refs,
-                      lambda r: {"verifier_version": verifier_version,
-                                 "seed": evidence["seeds"]["eval"],
-                                 "policy_version": policy_versions.get(
-                                     r.get("policy"), "the baseline or candidate version")},
-                      max_new_tokens)
-        check_rollout(audit, evidence, trajectories)
-        check_retest(audit, evidence, eval_records, list(eval_refs) if eval_refs else None)
-        check_evidence_consistency(audit, evidence)
+        train_refs, eval_refs = _reload_references(audit, evidence)
+        _check_all_records(audit, evidence, numbered_trajectories, numbered_eval, train_refs,
+                           eval_refs)
+        check_steps(audit, evidence, trajectories)
+        check_retest_records(audit, evidence, eval_records, list(eval_refs) if eval_refs else None)
+        check_assembly(audit, evidence, trajectories, eval_records)
     except (KeyError, TypeError, AttributeError) as error:
         # A field the audit needs is missing or of the wrong type: unreadable evidence.
         audit.mismatch(f"evidence (malformed: {type(error).__name__} {error})")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from grpogate.errors import InputError
-from grpogate.evidence import atomic_write_bytes
+from grpogate.files import atomic_write_bytes
 
 REPORT_HTML = "report.html"
 BASELINE_COLOR, CANDIDATE_COLOR = "#7f7f7f", "#1f77b4"

@@ -1,17 +1,19 @@
 """Log-probabilities of completion tokens under a model, without a full-vocabulary copy.
 
-Two ways to the same numbers (a test holds them equal, values and gradients):
-`completion_logprobs` forwards every sequence whole; `shared_prompt_logprobs` forwards each
-group's prompt once and reuses its KV cache for the group's G completions — the update uses it.
-Shapes: N sequences, P prompt columns (left-padded), T completion columns (right-padded).
+`shared_prompt_logprobs` forwards each group's prompt once and reuses its KV cache for the
+group's G completions; a test holds it equal (values and gradients) to one whole forward per
+sequence (tests/reference_logprobs.py).
+Shapes: n groups, N = n * G sequences, P prompt columns (left-padded), T completion columns
+(right-padded).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from grpogate.decoding import WIDTH_BUCKET, cache_keyword, left_pad, round_up
-
+from grpogate.sampling.decoding import WIDTH_BUCKET, cache_keyword, left_pad, round_up
 
 
 def right_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,19 +28,7 @@ def right_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Te
     return ids.to(device), mask.to(device)
 
 
-def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device):
-    """Left-pad prompts and right-pad completions so completions start at the same column.
-
-    Returns input_ids/attention_mask [N, P+T], completion ids [N, T], completion mask [N, T].
-    """
-    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
-    completion_ids, completion_mask = right_pad(completions, pad_id, device)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
-    return input_ids, attention_mask, completion_ids, completion_mask
-
-
-def _token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
                     chunk: int) -> torch.Tensor:
     """logits [N, T, V], token_ids [N, T] -> log-probs [N, T] of the chosen tokens.
 
@@ -53,39 +43,35 @@ def _token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: 
     return torch.cat(pieces, dim=1)
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature: float,
-                        chunk: int = 64) -> torch.Tensor:
-    """Log-probs [N, T] of the completion tokens, one full forward per sequence.
+@dataclass
+class PackedGroups:
+    """One prompt per group and its G completions (group-major), as padded tensors."""
 
-    Only the completion positions' logits are produced (`logits_to_keep`).
-    """
-    width = completion_ids.shape[1]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generation computes them
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=width + 1, use_cache=False).logits[:, :-1]  # [N, T, V]
-    return _token_logprobs(logits, completion_ids, temperature, chunk)
+    prompt_ids: torch.Tensor  # [n, P] left-padded
+    prompt_mask: torch.Tensor  # [n, P]
+    completion_ids: torch.Tensor  # [N, T] right-padded
+    completion_mask: torch.Tensor  # [N, T] float, 1 on real tokens
 
 
-def pack_groups(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device):
-    """One prompt per group, G completions per group (group-major).
-
-    Returns prompt ids / mask [n, P] (left-padded) and completion ids / mask [n * G, T]
-    (right-padded), widths rounded up to WIDTH_BUCKET.
-    """
-    return (*left_pad(prompts, pad_id, device), *right_pad(completions, pad_id, device))
+def pack_groups(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
+                device) -> PackedGroups:
+    """Widths rounded up to WIDTH_BUCKET."""
+    return PackedGroups(*left_pad(prompts, pad_id, device), *right_pad(completions, pad_id, device))
 
 
-def shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                           group_size: int, temperature: float, chunk: int = 64) -> torch.Tensor:
+def shared_prompt_logprobs(model, packed: PackedGroups, group_size: int, temperature: float,
+                           chunk: int = 64) -> torch.Tensor:
     """Log-probs [n * G, T] of the completions, the prompt forwarded once per group.
 
     All G completions of a group share one prompt, so the prompt runs once (with gradient) and
     its KV cache is repeated G times for the completion pass; gradients flow back through the
-    cache into the prompt positions, so the result equals `completion_logprobs` (tested), at
+    cache into the prompt positions, so the result equals one forward per sequence (tested), at
     P + G*T instead of G*(P + T) tokens per group.
     """
     from transformers import DynamicCache
 
+    prompt_ids, prompt_mask = packed.prompt_ids, packed.prompt_mask
+    completion_ids, completion_mask = packed.completion_ids, packed.completion_mask
     keyword = cache_keyword(model)
     position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P]
     cache = DynamicCache(config=model.config)
@@ -104,4 +90,4 @@ def shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, compl
         logits = torch.cat([first_logits, rest], dim=1)  # [N, T, V]
     else:
         logits = first_logits
-    return _token_logprobs(logits, completion_ids, temperature, chunk)
+    return token_logprobs(logits, completion_ids, temperature, chunk)

@@ -21,6 +21,7 @@ import json
 import pickle
 import random
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from grpogate.errors import InputError
-from grpogate.evidence import atomic_directory, sha256_bytes, sha256_path, to_json
+from grpogate.files import atomic_directory, sha256_bytes, sha256_path, to_json
 
 CHECKPOINT_FORMAT = 1
 CHECKPOINTS = "checkpoints"
@@ -103,6 +104,26 @@ def save_checkpoint(run_dir: Path, state: dict, trainable: dict[str, torch.Tenso
         if older != final:
             shutil.rmtree(older, ignore_errors=True)
     return final
+
+
+@dataclass
+class CheckpointWriter:
+    """Saves the loop's state after every finished step, with what stays fixed over the run
+    (`header`: config, run label, input identities, resumes) and the run's elapsed seconds."""
+
+    run_dir: Path
+    header: dict
+    trainable: dict[str, torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    started: float  # time.perf_counter() when this process started the run
+    earlier_seconds: float = 0.0  # what earlier processes of a resumed run spent
+
+    def elapsed(self) -> float:
+        return self.earlier_seconds + time.perf_counter() - self.started
+
+    def save(self, loop_state: dict) -> Path:
+        return save_checkpoint(self.run_dir, {**self.header, "elapsed_seconds": self.elapsed(),
+                                              **loop_state}, self.trainable, self.optimizer)
 
 
 def remove_checkpoints(run_dir: Path) -> None:

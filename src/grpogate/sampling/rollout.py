@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from grpogate.decoding import ROW_BUCKET, make_stepper, round_up
+from grpogate.sampling.decoding import ROW_BUCKET, make_stepper, round_up
+from grpogate.config import RunConfig
 from grpogate.errors import InputError
-from grpogate.tasks import Problem
+from grpogate.inputs.tasks import Problem
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,12 @@ class SamplingSettings:
     temperature: float
     top_p: float
     batch_size: int
+
+
+def sampling_settings(config: RunConfig) -> SamplingSettings:
+    """The same settings for training rollouts, the re-test and `grpogate eval`."""
+    return SamplingSettings(config.max_new_tokens, config.temperature, config.top_p,
+                            config.generation_batch_size)
 
 
 @dataclass
@@ -137,7 +144,7 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
 
 
 def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], group_size: int,
-                         settings: SamplingSettings, seed: int, progress=None,
+                         settings: SamplingSettings, seed: int, advance=None,
                          stepper=None) -> list[Completion]:
     """Sample `group_size` completions for every prompt, batched across groups.
 
@@ -165,8 +172,8 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
                 completions.append(Completion(
                     prompt_index, sample_index, prompt_token_ids[prompt_index], completion,
                     tokenizer.decode(completion, skip_special_tokens=True), not stopped))
-            if progress is not None:
-                progress(len(sampled))
+            if advance is not None:
+                advance(len(sampled))
     finally:
         model.train(was_training)
     return completions
@@ -214,21 +221,3 @@ def trajectory_records(completions: list[Completion], rewards: list[float], prob
             "reward": float(reward),
         })
     return records
-
-
-def contract_groups(records: list[dict]) -> list[dict]:
-    """Group trajectory records per prompt into the shape `check_rollout_contract` reads."""
-    groups: dict[str, dict] = {}
-    for record in records:
-        group = groups.setdefault(record["prompt_id"], {
-            "prompt_id": record["prompt_id"],
-            "source_policy_version": record["source_policy_version"],
-            "verifier_version": record["verifier_version"],
-            "trace_ids": []})
-        # A group mixing versions must fail the contract, not be silently relabelled.
-        if record["source_policy_version"] != group["source_policy_version"]:
-            group["source_policy_version"] = "mixed"
-        if record["verifier_version"] != group["verifier_version"]:
-            group["verifier_version"] = "mixed"
-        group["trace_ids"].append(record["trace_id"])
-    return list(groups.values())

@@ -1,0 +1,1 @@
+"""Evidence: pure records -> metrics -> decisions, the evidence document, audit and report."""

@@ -1,0 +1,191 @@
+"""Assemble: plain records -> the evidence document, one pure function the run and the audit share.
+
+The run hands `assemble_evidence` what only it can know (the facts: identities, timings,
+resources, the loop's outcome, the artifact) and the records it produced (per-step records,
+trajectories, re-test completions). Everything else in the document — rollout coverage, update
+totals, the re-test comparison, seeds, effective throughput, the status and the decision — is
+derived here. `grpogate decide` calls the same function on the facts as recorded and the
+records as stored, and compares: an audit with its own copy of a rule could agree with a bug.
+"""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+from grpogate.config import step_count
+from grpogate.evidence import decisions, metrics
+
+EVIDENCE_VERSION = 1
+EVAL_SEED_OFFSET = 10_000  # the re-test samples with seed = run seed + 10,000
+BOOTSTRAP_RESAMPLES = 2000
+CONFIDENCE = 0.95
+# The per-step fields recomputable from that step's trajectory records.
+STEP_FIELDS = ("mean_reward", "group_count", "valid_group_count", "valid_group_ratio",
+               "max_length_hit_ratio", "generated_tokens")
+
+
+def library_versions() -> dict:
+    versions = {"python": platform.python_version(), "platform": platform.platform()}
+    for package in ("grpogate", "torch", "transformers", "peft", "safetensors", "gguf",
+                    "reasoning-gym", "numpy"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def seeds(config: dict) -> dict:
+    """Step s samples with run seed + s, the re-test with run seed + 10,000 (both policies)."""
+    seed, steps = config["seed"], step_count(config["train_prompts"], config["prompts_per_step"])
+    return {"run": seed, "rollout": [seed + s for s in range(steps)],
+            "eval": seed + EVAL_SEED_OFFSET, "bootstrap": seed}
+
+
+def step_summary(records: list[dict], group_size: int) -> dict:
+    """One step's STEP_FIELDS from its trajectory records (the loop records, the audit checks)."""
+    summary = metrics.rollout_summary(records, group_size)
+    summary["generated_tokens"] = sum(int(r["completion_tokens"]) for r in records)
+    return {key: summary[key] for key in STEP_FIELDS}
+
+
+def rollout_section(trajectories: list[dict], steps: list[dict], seconds: dict, group_size: int,
+                    verifier_errors: int) -> dict:
+    summary = metrics.rollout_summary(trajectories, group_size)
+    generated = sum(s["generated_tokens"] for s in steps)
+    return {"group_size": group_size, **summary, "rollout_seconds": seconds["rollout"],
+            "verification_seconds": seconds["verification"], "generated_tokens": generated,
+            "generation_tokens_per_second": generated / seconds["rollout"] if seconds["rollout"] else 0.0,
+            "decode_paths": sorted({s["decode_path"] for s in steps if "decode_path" in s}),
+            "verifier_errors": verifier_errors}
+
+
+def update_section(config: dict, steps: list[dict], seconds: dict, micro_batch_size: int,
+                   oom_retries: int) -> dict:
+    """The update totals over the per-step records (token-weighted KL and clip fraction)."""
+    tokens = sum(s["tokens"] for s in steps)
+
+    def token_mean(key: str) -> float:
+        return sum(s[key] * s["tokens"] for s in steps) / tokens if tokens else 0.0
+
+    return {
+        "update_count": sum(s["update_count"] for s in steps), "update_seconds": seconds["update"],
+        "clip_epsilon": config["clip_epsilon"], "kl_coef": config["kl_coef"],
+        "mean_kl": token_mean("mean_kl"), "clip_fraction": token_mean("clip_fraction"),
+        "grad_norm": [g for s in steps for g in s["grad_norm"]],
+        "learning_rate": config["learning_rate"], "optimizer": "AdamW",
+        "max_grad_norm": config["max_grad_norm"], "loss_aggregation": config["loss_aggregation"],
+        "trained_sequences": sum(s["sequences"] for s in steps), "trained_tokens": tokens,
+        # An out-of-memory update is retried once at half the micro-batch, which then stays.
+        "micro_batch_size": micro_batch_size, "oom_retries": oom_retries,
+    }
+
+
+def comparison_section(eval_records: list[dict], config: dict, verifier_errors: int) -> dict:
+    """Baseline vs candidate on the re-test records, paired prompt by prompt."""
+    group_size, budget = config["eval_group_size"], config["max_new_tokens"]
+    baseline = metrics.summarize_completions(
+        [r for r in eval_records if r["policy"] == "baseline"], group_size, budget)
+    candidate = metrics.summarize_completions(
+        [r for r in eval_records if r["policy"] == "candidate"], group_size, budget)
+    paired = metrics.paired_comparison(baseline, candidate, resamples=BOOTSTRAP_RESAMPLES,
+                                       seed=seeds(config)["bootstrap"], confidence=CONFIDENCE)
+    return {
+        "reward_mean_gain": candidate["mean_reward"] - baseline["mean_reward"],
+        "pass_at_group_gain": candidate["pass_at_group"] - baseline["pass_at_group"],
+        "eval_group_size": group_size, "eval_seed": seeds(config)["eval"],
+        "baseline": baseline, "candidate": candidate, "paired": paired,
+        "verifier_errors": verifier_errors,
+    }
+
+
+def skipped_comparison(config: dict) -> dict:
+    """The comparison of a run stopped before its re-test: every field present, zero, and
+    flagged, so readers and `decisions.decide_run` work (which fails the quality checks)."""
+    empty = {"prompt_count": 0, "completion_count": 0, "mean_reward": 0.0, "pass_at_group": 0.0,
+             "max_length_hit_ratio": 0.0, "length": metrics.length_summary([]),
+             "length_histogram": None, "per_prompt": []}
+    return {"skipped": True, "reward_mean_gain": 0.0, "pass_at_group_gain": 0.0,
+            "eval_group_size": config["eval_group_size"], "eval_seed": seeds(config)["eval"],
+            "baseline": dict(empty), "candidate": dict(empty), "paired": {},
+            "verifier_errors": 0}
+
+
+def run_status(loop_status: str, rollout: dict, update: dict) -> str:
+    """A finished loop with no valid group or no real optimizer step did not update the policy."""
+    if loop_status == "ok" and (rollout["valid_group_count"] == 0 or update["update_count"] == 0):
+        return "no_effective_update"
+    return loop_status
+
+
+def assemble_evidence(facts: dict, config: dict, steps: list[dict], trajectories: list[dict],
+                      eval_records: list[dict]) -> dict:
+    """The evidence document. `facts` holds: run_label, created, loop_status, failure,
+    interruption, resumes, environment, inputs, contract, seconds (rollout, verification,
+    update, evaluation, checkpoint, load, total), verifier_errors, retest_verifier_errors,
+    retest_skipped, micro_batch_size, oom_retries, resources, artifact."""
+    seconds = facts["seconds"]
+    rollout = rollout_section(trajectories, steps, seconds, config["group_size"],
+                              facts["verifier_errors"])
+    update = update_section(config, steps, seconds, facts["micro_batch_size"],
+                            facts["oom_retries"])
+    comparison = (skipped_comparison(config) if facts["retest_skipped"] else
+                  comparison_section(eval_records, config, facts["retest_verifier_errors"]))
+    evidence = {
+        "grpogate_evidence_version": EVIDENCE_VERSION,
+        "run_label": facts["run_label"],
+        "created": facts["created"],
+        "status": run_status(facts["loop_status"], rollout, update),
+        "failure": facts["failure"],
+        "interruption": facts["interruption"],
+        "resumes": facts["resumes"],
+        "config": config,
+        "environment": facts["environment"],
+        "seeds": seeds(config),
+        "inputs": facts["inputs"],
+        "contract": facts["contract"],
+        "rollout": rollout,
+        "update": update,
+        "comparison": comparison,
+        "timings": {f"{stage}_seconds": seconds[stage] for stage in
+                    ("load", "rollout", "verification", "update", "evaluation", "checkpoint")},
+        "resources": facts["resources"],
+        "artifact": facts["artifact"],
+        "steps": steps,
+    }
+    candidate = decisions.evaluate_grpo_candidate(evidence, config["gates"])
+    for key in ("effective_trajectory_count", "effective_trajectories_per_second",
+                "valid_group_ratio"):
+        evidence[key] = candidate[key]
+    evidence["timings"]["total_seconds"] = seconds["total"]
+    evidence["decision"] = decisions.decide_run(evidence, config["gates"])
+    return evidence
+
+
+def recorded_facts(evidence: dict) -> dict:
+    """The facts of a stored evidence document, as `assemble_evidence` takes them: what the
+    audit cannot recompute and so takes as recorded (the records are checked separately)."""
+    timings, rollout = evidence["timings"], evidence["rollout"]
+    update, comparison = evidence["update"], evidence["comparison"]
+    status = evidence["status"]
+    return {
+        "run_label": evidence["run_label"], "created": evidence["created"],
+        # `run_status` derives no_effective_update from a finished loop; recomputing it from
+        # "ok" checks that the claim matches the records (and that an "ok" claim is earned).
+        "loop_status": "ok" if status == "no_effective_update" else status,
+        "failure": evidence["failure"], "interruption": evidence["interruption"],
+        "resumes": evidence["resumes"], "environment": evidence["environment"],
+        "inputs": evidence["inputs"], "contract": evidence["contract"],
+        "seconds": {"load": timings["load_seconds"], "rollout": timings["rollout_seconds"],
+                    "verification": timings["verification_seconds"],
+                    "update": timings["update_seconds"],
+                    "evaluation": timings["evaluation_seconds"],
+                    "checkpoint": timings["checkpoint_seconds"],
+                    "total": timings["total_seconds"]},
+        "verifier_errors": rollout["verifier_errors"],
+        "retest_verifier_errors": comparison["verifier_errors"],
+        "retest_skipped": comparison.get("skipped") is True,
+        "micro_batch_size": update["micro_batch_size"], "oom_retries": update["oom_retries"],
+        "resources": evidence["resources"], "artifact": evidence["artifact"],
+    }

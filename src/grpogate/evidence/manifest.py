@@ -1,0 +1,108 @@
+"""The manifest: written last, its existence means the run completed; it pins every file by hash.
+
+A manifest is also a valid baseline for the next run (`--baseline-manifest`), which is why its
+adapter path is relative and may not escape the manifest's directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from grpogate.errors import InputError
+from grpogate.files import ADAPTER_WEIGHTS, sha256_bytes, sha256_path
+
+MANIFEST_VERSION = 1
+RUN_FILES = ("evidence.json", "trajectories.jsonl", "eval_completions.jsonl")
+
+
+def trace_ids_sha256(trace_ids: list[str]) -> str:
+    return sha256_bytes("\n".join(trace_ids).encode())
+
+
+def build_manifest(evidence: dict, run_dir: Path, trajectories: list[dict]) -> dict:
+    """Summarize the run and pin every file by hash; call after all other files are final."""
+    files = {name: sha256_path(run_dir / name) for name in RUN_FILES if (run_dir / name).is_file()}
+    adapter_dir = run_dir / evidence["artifact"]["path"]
+    for file in sorted(adapter_dir.glob("*")) if adapter_dir.is_dir() else []:
+        files[f"{evidence['artifact']['path']}/{file.name}"] = sha256_path(file)
+    comparison = evidence["comparison"]
+    rollout = evidence["rollout"]
+    trace_ids = [record["trace_id"] for record in trajectories]
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "run_label": evidence["run_label"],
+        "created": evidence["created"],
+        "decision": evidence["decision"]["decision"],
+        "failed_checks": evidence["decision"]["failed_checks"],
+        "status": evidence["status"],
+        "model": evidence["inputs"]["model"],
+        "source_policy_version": evidence["inputs"]["baseline_policy_version"],
+        "new_policy_version": evidence["artifact"]["new_policy_version"],
+        "verifier_version": evidence["inputs"]["verifier"]["version"],
+        "adapter": {"path": evidence["artifact"]["path"], "sha256": evidence["artifact"]["sha256"]},
+        "rollback_source": {
+            "policy_version": evidence["inputs"]["baseline_policy_version"],
+            "model": evidence["inputs"]["model"],
+            "adapter": evidence["inputs"]["baseline_adapter"],
+        },
+        "quality": {
+            "baseline": {k: comparison["baseline"][k] for k in ("mean_reward", "pass_at_group")},
+            "candidate": {k: comparison["candidate"][k] for k in ("mean_reward", "pass_at_group")},
+            "reward_mean_gain": comparison["reward_mean_gain"],
+            "pass_at_group_gain": comparison["pass_at_group_gain"],
+        },
+        "rollout": {k: rollout[k] for k in ("group_count", "valid_group_count", "valid_group_ratio",
+                                             "total_trajectories", "effective_trajectory_count",
+                                             "max_length_hit_ratio")},
+        "trajectory_identity": {
+            "group_count": rollout["group_count"],
+            "trace_count": len(trace_ids),
+            "trace_ids_sha256": trace_ids_sha256(trace_ids),
+            "trajectories_sha256": files.get("trajectories.jsonl"),
+            "evidence_sha256": files.get("evidence.json"),
+        },
+        "files": files,
+    }
+
+
+def read_baseline_manifest(path: str) -> dict:
+    """Admit a baseline manifest: decision accept, adapter inside its directory, hash matching.
+
+    Returns {"model", "revision", "adapter"} (adapter = absolute directory or "").
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"{path}: no such baseline manifest")
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InputError(f"{path}: not valid JSON: {error}") from None
+    if not isinstance(manifest, dict):
+        raise InputError(f"{path}: a baseline manifest is a JSON object")
+    if manifest.get("decision") != "accept":
+        raise InputError(f"{path}: field \"decision\" is {manifest.get('decision')!r}; "
+                         "only an accepted policy can be a baseline")
+    model = manifest.get("model")
+    location = (model.get("spec") or model.get("location")) if isinstance(model, dict) else model
+    if not isinstance(location, str) or not location:
+        raise InputError(f"{path}: field \"model\" must name the base model (model.location)")
+    revision = model.get("revision", "") if isinstance(model, dict) else ""
+    adapter = manifest.get("adapter") or {}
+    if not isinstance(adapter, dict):
+        raise InputError(f"{path}: field \"adapter\" must be an object with path and sha256")
+    adapter_dir = ""
+    if adapter.get("path"):
+        root = file.parent.resolve()
+        candidate = (root / adapter["path"]).resolve()
+        if not candidate.is_relative_to(root):
+            raise InputError(f"{path}: field \"adapter.path\" escapes the manifest's directory")
+        weights = candidate / ADAPTER_WEIGHTS
+        if not weights.is_file():
+            raise InputError(f"{path}: field \"adapter.path\": {weights} does not exist")
+        actual = sha256_path(weights)
+        if actual != adapter.get("sha256"):
+            raise InputError(f"{path}: field \"adapter.sha256\" is {adapter.get('sha256')!r} but "
+                             f"the adapter file hashes to {actual}")
+        adapter_dir = str(candidate)
+    return {"model": location, "revision": revision or "", "adapter": adapter_dir}

@@ -1,0 +1,74 @@
+"""The gate schema: the seven thresholds and the switches a decision reads, and their validation.
+
+Pure Python, below every wing: the configuration validates a gates table with it and the
+decisions read the same names.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from grpogate.errors import InputError
+
+GATE_NAMES = (
+    "minimum_valid_group_ratio",
+    "minimum_effective_trajectories_per_second",
+    "minimum_update_count",
+    "minimum_reward_gain",
+    "minimum_pass_at_group_gain",
+    "maximum_max_length_hit_ratio",
+    "maximum_peak_allocated_bytes",
+)
+# A user may accept a small quality loss (e.g. -0.02); every other gate is a count, a ratio,
+# a rate or a size, for which a negative bound is a mistake.
+_SIGNED_GATES = frozenset({"minimum_reward_gain", "minimum_pass_at_group_gain"})
+# Switches rather than thresholds; optional, and off when absent, so a gates table written for
+# SPEC §5 keeps its meaning. require_significant_gain: the reward and pass_at_group checks read
+# the paired bootstrap interval's LOWER bound (evidence["comparison"]["paired"][gain]["low"])
+# instead of the point estimate, so a gain within sampling noise does not clear the gate.
+SWITCH_GATE_NAMES = ("require_significant_gain",)
+
+
+def finite_number(value: Any) -> int | float | None:
+    """A finite real number (ints kept exact for the gates table), else None. Bools are not
+    numbers here: `True` as a byte count or a gain is a bug upstream, not a 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return value if math.isfinite(float(value)) else None
+    except OverflowError:  # an int too large for a float
+        return None
+
+
+def validate_gates(gates: Any) -> dict[str, float | bool]:
+    """The seven gates as floats, plus any switch gate given (a bool); InputError for an
+    unknown, missing, non-number, non-finite or (except the two gain gates) negative value,
+    or a switch that is not true/false."""
+    if not isinstance(gates, dict):
+        raise InputError(f"gates must be a table of {len(GATE_NAMES)} numbers, got "
+                         f"{type(gates).__name__}")
+    known = ", ".join(GATE_NAMES + SWITCH_GATE_NAMES)
+    for name in gates:
+        if name not in GATE_NAMES + SWITCH_GATE_NAMES:
+            raise InputError(f"unknown gate {name!r}; known gates: {known}")
+    missing = [name for name in GATE_NAMES if name not in gates]
+    if missing:
+        raise InputError(f"missing gate(s): {', '.join(missing)}; all of these are required: "
+                         f"{', '.join(GATE_NAMES)}")
+    validated = {}
+    for name in GATE_NAMES:
+        value = gates[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InputError(f"gate {name!r} must be a number, got {value!r}")
+        if finite_number(value) is None:
+            raise InputError(f"gate {name!r} must be a finite number, got {value!r}")
+        if value < 0 and name not in _SIGNED_GATES:
+            raise InputError(f"gate {name!r} must be >= 0, got {value!r}")
+        validated[name] = float(value)
+    for name in SWITCH_GATE_NAMES:
+        if name in gates:
+            if not isinstance(gates[name], bool):
+                raise InputError(f"gate {name!r} must be true or false, got {gates[name]!r}")
+            validated[name] = gates[name]
+    return validated

@@ -1,0 +1,1 @@
+"""Training: advantages, objectives, log-probs, optimizer steps, the loop and its checkpoints."""

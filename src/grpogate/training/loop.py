@@ -1,0 +1,230 @@
+"""The rollout -> reward -> update loop, one checkpoint after every finished step.
+
+Each step samples G completions per prompt from the current policy (seeded with
+`config.seed + step`), scores them, appends them to trajectories.jsonl, checks the rollout
+contract, updates the adapter on the valid groups and checkpoints. Everything the loop has
+produced lives in a `LoopState`, which a checkpoint stores and a resumed run restores.
+Safe points for a requested stop (SIGINT / SIGTERM) are the start of a step and the boundary
+between its rollout and its update; a step stopped there is dropped from the trajectories file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from rich.markup import escape
+
+from grpogate.config import RunConfig
+from grpogate.evidence import decisions
+from grpogate.evidence.assemble import step_summary
+from grpogate.files import JsonlLog
+from grpogate.inputs.policy import Policy, current_version, reference_mode, sampling_weights
+from grpogate.inputs.tasks import Problem
+from grpogate.interrupts import StopRequest
+from grpogate.sampling.decoding import make_stepper
+from grpogate.sampling.rollout import (Completion, generate_completions, sampling_settings,
+                                       score_completions, trajectory_records)
+from grpogate.training.advantages import build_update_batch
+from grpogate.training.checkpoint import CheckpointWriter
+from grpogate.training.update import (NonFiniteUpdate, UpdateFailed, UpdateSettings,
+                                      update_with_retry)
+
+
+@dataclass
+class LoopState:
+    """What the rollout / update loop has produced so far. A checkpoint stores all of it except
+    the trajectories, which are re-read from trajectories.jsonl up to `trajectories_offset`."""
+
+    micro_batch_size: int
+    next_step: int = 0  # the data cursor: step k trains on prompts [k * P, (k + 1) * P)
+    steps: list[dict] = field(default_factory=list)
+    trajectories: list[dict] = field(default_factory=list)
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(
+        ("rollout", "verification", "update", "checkpoint"), 0.0))
+    trajectories_offset: int = 0  # bytes of trajectories.jsonl that belong to finished steps
+    verifier_errors: int = 0
+    oom_retries: int = 0
+    status: str = "ok"
+    contract: dict = field(default_factory=lambda: {"admitted": True, "failed_checks": []})
+    failure: dict | None = None  # {"step", "message"} when an update aborted the run
+    interruption: dict | None = None  # {"signal", "safe_point", "completed_steps"}
+
+    CHECKPOINTED = ("micro_batch_size", "next_step", "steps", "seconds", "trajectories_offset",
+                    "verifier_errors", "oom_retries")
+
+    def checkpointed(self) -> dict:
+        return {name: getattr(self, name) for name in self.CHECKPOINTED}
+
+    @classmethod
+    def from_checkpoint(cls, state: dict, trajectories: list[dict]) -> "LoopState":
+        return cls(**{name: state[name] for name in cls.CHECKPOINTED}, trajectories=trajectories)
+
+    def interrupt(self, stop: StopRequest, safe_point: str) -> None:
+        self.status = "interrupted"
+        self.interruption = {"signal": stop.signal_name, "safe_point": safe_point,
+                             "completed_steps": len(self.steps)}
+
+
+@dataclass
+class Loop:
+    """What stays fixed over the loop: the policy, its inputs, where it writes."""
+
+    policy: Policy
+    config: RunConfig
+    verifier: object
+    problems: list[Problem]  # the train set, in cursor order
+    prompts: list[list[int]]  # their encoded prompts
+    log: JsonlLog
+    reporter: object
+    run_label: str
+    optimizer: object
+    stop: StopRequest
+    checkpoints: CheckpointWriter
+
+
+@dataclass
+class Rollout:
+    """One step's sampled and scored group, before its update."""
+
+    version: str
+    completions: list[Completion]
+    rewards: list[float]
+    records: list[dict]
+    decode_path: str
+    rollout_seconds: float
+    verification_seconds: float
+    log_offset: int  # bytes of trajectories.jsonl once this step's records are in
+
+
+def train(loop: Loop, state: LoopState, on_step=None) -> None:
+    """The rollout / reward / update loop from `state.next_step`; updates `state` in place and
+    checkpoints after every finished step, then calls `on_step(record)` (if given)."""
+    config = loop.config
+    for step in range(state.next_step, config.steps):
+        if loop.stop.requested:
+            state.interrupt(loop.stop, f"before step {step}")
+            return
+        rollout = _rollout(loop, state, step)
+        if not _admit_rollout(loop, state, step, rollout):
+            return
+        update_record = _update(loop, state, step, rollout)
+        if update_record is None:
+            return
+        _finish_step(loop, state, step, rollout, update_record, on_step)
+
+
+def _rollout(loop: Loop, state: LoopState, step: int) -> Rollout:
+    """Sample the step's groups (seed = run seed + step), score them, log the records."""
+    config, policy = loop.config, loop.policy
+    begin = step * config.prompts_per_step
+    problems = loop.problems[begin:begin + config.prompts_per_step]
+    version = current_version(policy)
+    started = time.perf_counter()
+    with loop.reporter.task(f"step {step + 1}/{config.steps} rollout",
+                            len(problems) * config.group_size) as advance, sampling_weights(policy):
+        stepper = make_stepper(policy.model)
+        completions = generate_completions(policy.model, policy.tokenizer,
+                                           loop.prompts[begin:begin + len(problems)],
+                                           config.group_size, sampling_settings(config),
+                                           config.seed + step, advance, stepper)
+    rollout_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    errors_before = loop.verifier.error_count
+    rewards = score_completions(completions, problems, loop.verifier)
+    state.verifier_errors += loop.verifier.error_count - errors_before
+    verification_seconds = time.perf_counter() - started
+    # Counted before any check can stop the loop: an aborted step still paid its cost.
+    state.seconds["rollout"] += rollout_seconds
+    state.seconds["verification"] += verification_seconds
+    records = trajectory_records(completions, rewards, problems, run_id=loop.run_label,
+                                 step=step, policy_version=version,
+                                 verifier_version=loop.verifier.version)
+    offset = loop.log.append(records)
+    state.trajectories.extend(records)
+    return Rollout(version, completions, rewards, records, stepper.name, rollout_seconds,
+                   verification_seconds, offset)
+
+
+def _admit_rollout(loop: Loop, state: LoopState, step: int, rollout: Rollout) -> bool:
+    """The step's contract, then a safe point before its update; False stops the loop."""
+    contract = decisions.check_step_contract(rollout.records, rollout.version,
+                                             loop.verifier.version, loop.config.group_size)
+    if not contract["admitted"]:
+        state.contract = {"admitted": False, "failed_checks": contract["failed_checks"],
+                          "step": step}
+        state.status = "contract_failed"
+        return False
+    if loop.stop.requested:
+        # A safe point between stages. The half-finished step is dropped exactly as a resume
+        # would drop it, so the evidence never shows groups that did not reach the update.
+        loop.log.truncate(state.trajectories_offset)
+        del state.trajectories[len(state.trajectories) - len(rollout.records):]
+        state.interrupt(loop.stop, f"after the rollout of step {step}, before its update")
+        return False
+    return True
+
+
+def _update(loop: Loop, state: LoopState, step: int, rollout: Rollout):
+    """The step's optimizer steps on its valid groups; None (and the state says why) when the
+    update failed and was rolled back."""
+    config, policy = loop.config, loop.policy
+    batch = build_update_batch([c.prompt_token_ids for c in rollout.completions],
+                               [c.completion_token_ids for c in rollout.completions],
+                               rollout.rewards, config.group_size)
+    settings = dataclasses.replace(UpdateSettings.from_config(config),
+                                   micro_batch_size=state.micro_batch_size)
+
+    def on_retry(error: str, micro_batch_size: int) -> None:
+        state.oom_retries += 1
+        loop.reporter.log(f"[yellow]{escape(error)}: retrying the update once at "
+                          f"micro_batch_size {micro_batch_size}")
+
+    started = time.perf_counter()
+    try:
+        with loop.reporter.task(f"step {step + 1}/{config.steps} update", len(batch)) as advance:
+            record, settings = update_with_retry(
+                policy.model, loop.optimizer, batch, settings, policy.tokenizer.pad_token_id,
+                lambda: reference_mode(policy), loop.checkpoints.trainable.values(), advance,
+                on_retry)
+    except (NonFiniteUpdate, UpdateFailed) as error:
+        # update_with_retry rolled the adapter back: what gets saved is the last good one.
+        state.seconds["update"] += time.perf_counter() - started
+        loop.reporter.log(f"[red]{escape(str(error))}: stopping; the last good adapter is kept")
+        state.status = ("non_finite_update" if isinstance(error, NonFiniteUpdate)
+                        else "update_failed")
+        state.failure = {"step": step, "message": str(error)}
+        return None
+    state.micro_batch_size = settings.micro_batch_size
+    return record, time.perf_counter() - started
+
+
+def _finish_step(loop: Loop, state: LoopState, step: int, rollout: Rollout, update_record,
+                 on_step) -> None:
+    """Record the step, checkpoint, then tell `on_step` and the terminal."""
+    config = loop.config
+    record, update_seconds = update_record
+    summary = step_summary(rollout.records, config.group_size)
+    state.steps.append({
+        "step": step, "policy_version": rollout.version, **summary,
+        "decode_path": rollout.decode_path,
+        "generation_tokens_per_second": (summary["generated_tokens"] / rollout.rollout_seconds
+                                         if rollout.rollout_seconds else 0.0),
+        "rollout_seconds": rollout.rollout_seconds,
+        "verification_seconds": rollout.verification_seconds,
+        "update_seconds": update_seconds, "micro_batch_size": state.micro_batch_size,
+        **record.summary()})
+    state.seconds["update"] += update_seconds
+    state.trajectories_offset = rollout.log_offset
+    state.next_step = step + 1
+    started = time.perf_counter()
+    loop.checkpoints.save(state.checkpointed())
+    state.seconds["checkpoint"] += time.perf_counter() - started
+    # After the checkpoint, not right after the append: a step a resume would redo (killed
+    # before its checkpoint) then never reaches the events file twice.
+    if on_step is not None:
+        on_step(state.steps[-1])
+    loop.reporter.log(f"step {step + 1}/{config.steps}: reward {summary['mean_reward']:.3f}, "
+                      f"valid groups {summary['valid_group_count']}/{summary['group_count']}, "
+                      f"updates {record.update_count}, kl {record.summary()['mean_kl']:.4f}")

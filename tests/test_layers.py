@@ -1,0 +1,105 @@
+"""The house's rules, checked on the package's syntax tree (README "Files").
+
+Wings in pipeline order of dependence: the foundation (errors, config, interrupts, files) ->
+inputs -> evidence -> sampling -> training -> the top (pipeline, standalone_eval, cli and the
+public re-exports). A module imports only its own wing or lower ones, no two modules import
+each other (directly or around a longer circle), and the pure layers import no torch.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import grpogate
+
+PACKAGE = Path(grpogate.__file__).parent
+LAYERS = {"foundation": 0, "inputs": 1, "evidence": 2, "sampling": 3, "training": 4, "top": 5}
+FOUNDATION = {"errors", "gates", "config", "interrupts", "files", "__init__"}
+# Pure Python: anyone can decide, audit or compare without a model stack.
+TORCH_FREE = ["evidence/decisions.py", "evidence/metrics.py", "evidence/assemble.py",
+              "evidence/audit.py", "evidence/manifest.py", "inputs/verifiers.py",
+              "inputs/tasks.py", "config.py", "gates.py", "files.py", "decisions.py", "verifiers.py"]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(("grpogate",) + parts).removesuffix(".__init__")
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")[1:]
+    if not parts:
+        return 0
+    if parts[0] in LAYERS and len(parts) > 1:
+        return LAYERS[parts[0]]
+    if parts[0] in LAYERS:  # the wing's package itself
+        return LAYERS[parts[0]]
+    return 0 if parts[0] in FOUNDATION else LAYERS["top"]
+
+
+def imports(path: Path) -> set[str]:
+    """Every grpogate module `path` imports, at any depth of the file (lazy imports count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("grpogate"):
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if candidate in MODULES else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("grpogate"))
+    return found
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+MODULES = {module_name(p): p for p in SOURCES}
+GRAPH = {name: imports(path) & set(MODULES) - {name} for name, path in MODULES.items()}
+
+
+def test_the_wings_exist():
+    for wing in ("inputs", "sampling", "training", "evidence"):
+        assert (PACKAGE / wing / "__init__.py").is_file(), wing
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_imports_a_higher_wing(name):
+    higher = [m for m in GRAPH[name] if layer(m) > layer(name)]
+    assert not higher, f"{name} (layer {layer(name)}) imports {higher}"
+
+
+def test_no_import_circle():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(GRAPH[name]):
+            assert state.get(target) != 1, " -> ".join(path + [name, target])
+            if target not in state:
+                visit(target, path + [name])
+        state[name] = 2
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [])
+
+
+@pytest.mark.parametrize("relative", TORCH_FREE)
+def test_pure_modules_import_no_torch(relative):
+    path = PACKAGE / relative
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            assert not any(a.name.split(".")[0] == "torch" for a in node.names), relative
+        elif isinstance(node, ast.ImportFrom):
+            assert (node.module or "").split(".")[0] != "torch", relative
+    # ...and nothing they import, transitively, does either.
+    seen, todo = set(), [module_name(path)]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        text = MODULES[name].read_text(encoding="utf-8")
+        assert "import torch" not in text, f"{relative} reaches {name}, which imports torch"
+        todo.extend(GRAPH[name])
