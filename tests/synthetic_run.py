@@ -16,13 +16,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import struct
 from pathlib import Path
 
 from grpogate.evidence import metrics
 from grpogate.evidence.assemble import assemble_evidence
 from grpogate.evidence.manifest import build_manifest
 from grpogate.config import Gates, RunConfig, TaskConfig, validate
-from grpogate.files import atomic_write_bytes, atomic_write_json, jsonl_bytes
+from grpogate.files import (atomic_write_bytes, atomic_write_json, jsonl_bytes, policy_version,
+                            safetensors_sha256)
 from grpogate.inputs.verifiers import get_verifier
 
 TRAIN_QUESTIONS = [("Ann has 3 apples and buys 4 more. How many?", 7),
@@ -39,6 +41,23 @@ MAX_NEW_TOKENS = 16
 
 def _version(name: str) -> str:
     return hashlib.sha256(name.encode()).hexdigest()
+
+
+def safetensors_bytes(tensors: dict[str, list[float]]) -> bytes:
+    """A float32 safetensors file written by hand (the format: 8-byte little-endian header
+    length, JSON header, packed data), so the synthetic adapter is a real one without torch."""
+    header, data = {}, b""
+    for name, values in tensors.items():
+        blob = struct.pack(f"<{len(values)}f", *values)
+        header[name] = {"dtype": "F32", "shape": [len(values)],
+                        "data_offsets": [len(data), len(data) + len(blob)]}
+        data += blob
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data
+
+
+SYNTHETIC_ADAPTER = {"base_model.model.layers.0.q_proj.lora_A.weight": [0.5, -1.0],
+                     "base_model.model.layers.0.q_proj.lora_B.weight": [0.25, 2.0]}
 
 
 def _write_jsonl(path: Path, rows: list[tuple[str, int]]) -> None:
@@ -103,7 +122,15 @@ def write_synthetic_run(root: Path, **gates) -> Path:
     seconds = {"load": 0.5, "rollout": 2.0, "verification": 0.02, "update": 1.0,
                "evaluation": 3.0, "checkpoint": 0.1, "total": 7.0}
 
-    baseline_version, candidate_version = _version("baseline"), _version("candidate")
+    adapter = run_dir / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 4}\n')
+    (adapter / "adapter_model.safetensors").write_bytes(safetensors_bytes(SYNTHETIC_ADAPTER))
+    adapter_sha = hashlib.sha256(safetensors_bytes(SYNTHETIC_ADAPTER)).hexdigest()
+    # The versions a real run records: no baseline adapter, and the delivered adapter's tensors.
+    baseline_version = policy_version(_version("base"), None)
+    candidate_version = policy_version(_version("base"),
+                                       safetensors_sha256(adapter / "adapter_model.safetensors"))
     eval_records = []
     for name, version in (("baseline", baseline_version), ("candidate", candidate_version)):
         for problem, rewards in zip(eval_set, EVAL_REWARDS[name]):
@@ -117,11 +144,6 @@ def write_synthetic_run(root: Path, **gates) -> Path:
                     "completion": text, "completion_tokens": tokens, "hit_max_length": hit,
                     "reward": verifier.score(text, problem.reference)})
 
-    adapter = run_dir / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text('{"r": 4}\n')
-    (adapter / "adapter_model.safetensors").write_bytes(b"synthetic adapter weights")
-    adapter_sha = hashlib.sha256(b"synthetic adapter weights").hexdigest()
     facts = {
         "run_label": "synthetic", "created": "2026-01-01T00:00:00+00:00", "loop_status": "ok",
         "failure": None, "interruption": None, "resumes": [],

@@ -1,15 +1,17 @@
 """`grpogate decide`: an untouched run agrees with itself; every kind of tampering is named."""
 
+import hashlib
 import json
 
 import pytest
-from synthetic_run import write_synthetic_run
+from synthetic_run import SYNTHETIC_ADAPTER, safetensors_bytes, write_synthetic_run
 from typer.testing import CliRunner
 
 from grpogate.evidence import decisions
 from grpogate.evidence import metrics
 from grpogate.evidence.audit import audit_run, same_value
 from grpogate.cli import app
+from grpogate.errors import InputError
 from grpogate.evidence.manifest import build_manifest
 from grpogate.files import atomic_write_json, read_jsonl
 
@@ -170,3 +172,44 @@ def test_unreadable_files_are_mismatches_not_crashes(run_dir):
     assert audit["mismatches"][0]["field"].startswith("evidence.json (not valid JSON")
     result = CliRunner().invoke(app, ["decide", str(run_dir)])
     assert result.exit_code == 4
+
+
+def swap_adapter_and_recompute_hashes(run_dir, values=(9.0, 9.0)):
+    """The forgery of issue 16: another adapter in adapter/, every hash recomputed to match."""
+    names = list(SYNTHETIC_ADAPTER)
+    weights = run_dir / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(safetensors_bytes({names[0]: list(values), names[1]: [1.0, 1.0]}))
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    evidence["artifact"]["sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    atomic_write_json(run_dir / "evidence.json", evidence)
+    manifest = build_manifest(evidence, run_dir, read_jsonl(run_dir / "trajectories.jsonl"))
+    atomic_write_json(run_dir / "manifest.json", manifest)
+    return manifest
+
+
+def test_a_swapped_adapter_with_recomputed_hashes_is_caught_by_its_tensors(run_dir):
+    swap_adapter_and_recompute_hashes(run_dir)
+    audit = audit_run(run_dir)
+    assert audit["decision"] == "reject"
+    assert fields(audit) == ["artifact.new_policy_version"] + [
+        f"eval_completions.jsonl:{line} policy_version" for line in range(9, 17)]
+
+
+def test_a_forged_manifest_is_not_admitted_as_a_baseline(run_dir):
+    from grpogate.evidence.manifest import read_baseline_manifest
+
+    # Untouched, the manifest is a baseline and names its candidate's recomputed version.
+    admitted = read_baseline_manifest(str(run_dir / "manifest.json"))
+    assert admitted["policy_version"] == json.loads(
+        (run_dir / "manifest.json").read_text())["new_policy_version"]
+    swap_adapter_and_recompute_hashes(run_dir)
+    with pytest.raises(InputError, match='field "new_policy_version" is .* but the adapter\'s '
+                                         'tensors and model.sha256 give'):
+        read_baseline_manifest(str(run_dir / "manifest.json"))
+
+
+def test_a_recorded_baseline_version_that_is_not_the_base_model_is_named(run_dir):
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    evidence["inputs"]["baseline_policy_version"] = "f" * 64
+    atomic_write_json(run_dir / "evidence.json", evidence)
+    assert "inputs.baseline_policy_version" in fields(audit_run(run_dir))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import re
 import shutil
 from pathlib import Path
 
@@ -257,3 +258,40 @@ def test_bundled_gguf_path_finds_the_packaged_file():
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     with open(path, "rb") as handle:
         assert handle.read(4) == b"GGUF"
+
+
+def test_the_adapter_file_hash_read_without_torch_equals_the_in_memory_hash(tmp_path):
+    import hashlib
+    import struct
+
+    from safetensors.torch import save_file
+
+    from grpogate.files import safetensors_sha256
+
+    state = {"b.lora_B.weight": torch.tensor([[1.0, 2.0]], dtype=torch.bfloat16),
+             "a.lora_A.weight": torch.tensor([0.5, -1.0])}
+    save_file(state, tmp_path / "w.safetensors")
+    # By hand: names sorted; "name|dtype|shape\n" then the little-endian bytes. bfloat16 1.0 is
+    # 0x3F80 and 2.0 is 0x4000 (the top halves of the float32 patterns).
+    expected = hashlib.sha256(
+        b"a.lora_A.weight|torch.float32|(2,)\n" + struct.pack("<2f", 0.5, -1.0)
+        + b"b.lora_B.weight|torch.bfloat16|(1, 2)\n" + bytes([0x80, 0x3F, 0x00, 0x40])).hexdigest()
+    assert tensors_sha256(state) == expected
+    assert safetensors_sha256(tmp_path / "w.safetensors") == expected
+
+
+@pytest.mark.parametrize("cut, message", [
+    (0, "not a safetensors file (0 bytes; truncated or empty)"),
+    (20, "truncated or not a safetensors file (header of"),
+    (-2, "has data offsets"),
+])
+def test_an_empty_or_truncated_safetensors_file_is_bad_input(tmp_path, cut, message):
+    from safetensors.torch import save_file
+
+    from grpogate.files import read_safetensors
+
+    save_file({"x": torch.ones(4)}, tmp_path / "w.safetensors")
+    data = (tmp_path / "w.safetensors").read_bytes()
+    (tmp_path / "w.safetensors").write_bytes(data[:cut] if cut >= 0 else data[:len(data) + cut])
+    with pytest.raises(InputError, match=re.escape(message)):
+        read_safetensors(tmp_path / "w.safetensors")

@@ -73,6 +73,7 @@ class Admission:
     eval: list[Problem]
     train_identity: dict
     eval_identity: dict
+    baseline_version: str = ""  # what --baseline-manifest claims; the loaded policy must match
 
 
 def run_dir_for(config: RunConfig) -> Path:
@@ -99,9 +100,11 @@ def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:
         raise InputError(f"tensorboard {config.tensorboard}: is a file; give a directory for the "
                          "events files")
     model_spec, revision, adapter = config.model, config.model_revision, config.adapter
+    baseline_version = ""
     if config.baseline_manifest:
         baseline = read_baseline_manifest(config.baseline_manifest)
         model_spec, revision, adapter = baseline["model"], baseline["revision"], baseline["adapter"]
+        baseline_version = baseline["policy_version"]
     if adapter:
         check_adapter_dir(adapter)
     # Problems before the verifier: an unknown task name is then reported as the task's error.
@@ -111,7 +114,7 @@ def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:
     except ValueError as error:
         raise InputError(f"verifier: {error}") from None
     return Admission(config, run_dir, model_spec, revision, adapter, verifier, train, eval_set,
-                     train_id, eval_id)
+                     train_id, eval_id, baseline_version)
 
 
 def dry_run(config: RunConfig) -> dict:
@@ -217,6 +220,10 @@ def prepare(admission: Admission) -> Prepared:
                                              model_revision=admission.model_revision),
                          adapter=admission.adapter, seed=config.seed)
     load_seconds = time.perf_counter() - started
+    if admission.baseline_version and policy.baseline_version != admission.baseline_version:
+        raise InputError(f"{config.baseline_manifest}: the loaded baseline is policy "
+                         f"{policy.baseline_version}, not the manifest's new_policy_version "
+                         f"{admission.baseline_version} (another base model under that name?)")
     if policy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(policy.device)
     # Encoded before anything is written: a prompt over max_prompt_tokens is bad input, and an

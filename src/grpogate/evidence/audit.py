@@ -26,7 +26,7 @@ from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.assemble import assemble_evidence, recorded_facts, step_summary
 from grpogate.evidence.manifest import RUN_FILES, build_manifest, trace_ids_sha256
-from grpogate.files import ADAPTER_WEIGHTS, sha256_path
+from grpogate.files import ADAPTER_WEIGHTS, policy_version, safetensors_sha256, sha256_path
 from grpogate.inputs.tasks import load_problem_sets
 from grpogate.inputs.verifiers import get_verifier
 
@@ -180,6 +180,41 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
     audit.compare("manifest", manifest, rebuilt)
 
 
+def anchored_versions(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, str]:
+    """The policy versions recomputed from the artifacts themselves, not from the hash list.
+
+    A forger who swaps adapter/ for another run's and recomputes every file hash still has to
+    name the candidate's version; here it is recomputed from the adapter's own tensors (the
+    rule of files.tensors_digest, read without torch) and the base model's recorded identity,
+    and the evidence, the manifest and every candidate re-test record must carry it."""
+    inputs, artifact = evidence["inputs"], evidence.get("artifact") or {}
+    base = (inputs.get("model") or {}).get("sha256")
+    versions = {"baseline": inputs.get("baseline_policy_version"),
+                "candidate": artifact.get("new_policy_version")}
+    weights = run_dir / str(artifact.get("path") or "adapter") / ADAPTER_WEIGHTS
+    if weights.is_file():
+        try:
+            versions["candidate"] = policy_version(base, safetensors_sha256(weights))
+        except InputError as error:
+            audit.mismatch(f"artifact (adapter weights unreadable: {error})")
+    audit.compare("artifact.new_policy_version", artifact.get("new_policy_version"),
+                  versions["candidate"])
+    baseline_adapter = inputs.get("baseline_adapter")
+    baseline_weights = (Path(str(baseline_adapter.get("path"))) / ADAPTER_WEIGHTS
+                        if isinstance(baseline_adapter, dict) else None)
+    if baseline_adapter is None:
+        versions["baseline"] = policy_version(base, None)
+    elif baseline_weights is not None and baseline_weights.is_file():
+        try:
+            versions["baseline"] = policy_version(base, safetensors_sha256(baseline_weights))
+        except InputError as error:
+            audit.mismatch(f"inputs.baseline_adapter (unreadable: {error})")
+    # A baseline adapter that is not on this machine cannot be re-hashed: taken as recorded.
+    audit.compare("inputs.baseline_policy_version", inputs.get("baseline_policy_version"),
+                  versions["baseline"])
+    return versions
+
+
 def _file_sha(path: Path) -> str | None:
     return sha256_path(path) if path.is_file() else None
 
@@ -305,7 +340,7 @@ def _reload_references(audit: Audit, evidence: dict) -> tuple[dict | None, dict 
 
 
 def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numbered_eval,
-                       train_refs, eval_refs) -> None:
+                       train_refs, eval_refs, policy_versions: dict[str, str]) -> None:
     verifier = _verifier(audit, evidence)
     versions = {s.get("step"): s.get("policy_version") for s in evidence.get("steps") or []}
     verifier_version = evidence["inputs"]["verifier"]["version"]
@@ -315,8 +350,6 @@ def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numb
                              "source_policy_version": versions.get(
                                  r.get("step"), r.get("source_policy_version"))},
                   max_new_tokens)
-    policy_versions = {"baseline": evidence["inputs"]["baseline_policy_version"],
-                       "candidate": evidence["artifact"]["new_policy_version"]}
     check_records(audit, "eval_completions.jsonl", numbered_eval, verifier, eval_refs,
                   lambda r: {"verifier_version": verifier_version,
                              "seed": evidence["seeds"]["eval"],
@@ -346,9 +379,10 @@ def audit_run(run_dir: str | Path) -> dict[str, Any]:
     try:
         if manifest:
             check_hashes(audit, run_dir, manifest, evidence, trajectories)
+        versions = anchored_versions(audit, run_dir, evidence)
         train_refs, eval_refs = _reload_references(audit, evidence)
         _check_all_records(audit, evidence, numbered_trajectories, numbered_eval, train_refs,
-                           eval_refs)
+                           eval_refs, versions)
         check_steps(audit, evidence, trajectories)
         check_retest_records(audit, evidence, eval_records, list(eval_refs) if eval_refs else None)
         check_assembly(audit, evidence, trajectories, eval_records)

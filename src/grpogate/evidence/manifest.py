@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 from grpogate.errors import InputError
-from grpogate.files import ADAPTER_WEIGHTS, sha256_bytes, sha256_path
+from grpogate.files import (ADAPTER_WEIGHTS, policy_version, safetensors_sha256, sha256_bytes,
+                            sha256_path)
 
 MANIFEST_VERSION = 1
 RUN_FILES = ("evidence.json", "trajectories.jsonl", "eval_completions.jsonl")
@@ -69,7 +70,10 @@ def build_manifest(evidence: dict, run_dir: Path, trajectories: list[dict]) -> d
 def read_baseline_manifest(path: str) -> dict:
     """Admit a baseline manifest: decision accept, adapter inside its directory, hash matching.
 
-    Returns {"model", "revision", "adapter"} (adapter = absolute directory or "").
+    The file hash alone proves nothing against a forger who recomputed it: the policy version
+    is recomputed from the adapter's own tensors and the model identity and must equal the
+    manifest's `new_policy_version` (the loaded policy is held to it again after loading).
+    Returns {"model", "revision", "adapter", "policy_version"} (adapter = absolute directory or "").
     """
     file = Path(path)
     if not file.is_file():
@@ -105,4 +109,12 @@ def read_baseline_manifest(path: str) -> dict:
             raise InputError(f"{path}: field \"adapter.sha256\" is {adapter.get('sha256')!r} but "
                              f"the adapter file hashes to {actual}")
         adapter_dir = str(candidate)
-    return {"model": location, "revision": revision or "", "adapter": adapter_dir}
+    claimed = manifest.get("new_policy_version")
+    base_sha256 = model.get("sha256") if isinstance(model, dict) else None
+    anchored = policy_version(base_sha256, safetensors_sha256(weights) if adapter_dir else None)
+    if claimed != anchored:
+        raise InputError(f"{path}: field \"new_policy_version\" is {claimed!r} but the adapter's "
+                         f"tensors and model.sha256 give {anchored}; the manifest does not "
+                         "describe this adapter")
+    return {"model": location, "revision": revision or "", "adapter": adapter_dir,
+            "policy_version": anchored}

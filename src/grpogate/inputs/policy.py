@@ -28,25 +28,23 @@ from safetensors.torch import load_file
 
 from grpogate.config import BUNDLED_MODEL, RunConfig
 from grpogate.errors import InputError
-from grpogate.files import ADAPTER_WEIGHTS, sha256_path
+from grpogate.files import ADAPTER_WEIGHTS, policy_version, sha256_path, tensors_digest  # noqa: F401
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TRAINABLE = "default"
 REFERENCE = "reference"
 
 
-def policy_version(base_sha256: str, adapter_sha256: str | None) -> str:
-    return hashlib.sha256(f"{base_sha256}\n{adapter_sha256 or 'none'}".encode()).hexdigest()
-
-
 def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
-    """Content hash of a tensor dict, independent of file format and metadata."""
-    digest = hashlib.sha256()
-    for name in sorted(state):
+    """Content hash of a tensor dict, independent of file format and metadata: the rule of
+    files.tensors_digest, which the torch-free audit applies to the adapter file itself."""
+
+    def entry(name: str):
         tensor = state[name].detach().to("cpu").contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        return name, str(tensor.dtype), tuple(tensor.shape), data
+
+    return tensors_digest(entry(name) for name in state)
 
 
 # --- locating and caching the base model ---------------------------------------------------
