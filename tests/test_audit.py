@@ -213,3 +213,16 @@ def test_a_recorded_baseline_version_that_is_not_the_base_model_is_named(run_dir
     evidence["inputs"]["baseline_policy_version"] = "f" * 64
     atomic_write_json(run_dir / "evidence.json", evidence)
     assert "inputs.baseline_policy_version" in fields(audit_run(run_dir))
+
+
+def test_decide_prints_every_gate_the_run_loosened(tmp_path):
+    run_dir = write_synthetic_run(tmp_path, minimum_valid_group_ratio=0.0,
+                                  maximum_max_length_hit_ratio=1.0)
+    result = CliRunner().invoke(app, ["decide", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("non-default gate")]
+    assert lines == ["non-default gate minimum_valid_group_ratio = 0.0 (default 0.2)",
+                     "non-default gate maximum_max_length_hit_ratio = 1.0 (default 0.5)"]
+    audit = audit_run(run_dir)
+    assert audit["non_default_gates"]["minimum_valid_group_ratio"] == {"value": 0.0,
+                                                                       "default": 0.2}

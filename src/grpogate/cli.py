@@ -196,6 +196,9 @@ def decide(
         console.print_json(json.dumps(audit))
     else:
         console.print(gates_table({"checks": audit["checks"]}))
+        for name, gate in audit.get("non_default_gates", {}).items():
+            console.print(f"[yellow]non-default gate[/] {name} = {gate['value']!r} "
+                          f"(default {gate['default']!r})", soft_wrap=True)
         for mismatch in audit["mismatches"][:50]:
             console.print(f"[red]mismatch[/] {mismatch['field']}: recorded "
                           f"{_short(mismatch['recorded'])}, recomputed {_short(mismatch['recomputed'])}",

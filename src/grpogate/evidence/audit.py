@@ -16,12 +16,13 @@ consistency with the token budget only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 from typing import Any, Callable
 
-from grpogate.config import TaskConfig
+from grpogate.config import Gates, TaskConfig
 from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.assemble import assemble_evidence, recorded_facts, step_summary
@@ -399,7 +400,21 @@ def audit_run(run_dir: str | Path) -> dict[str, Any]:
         "decision": "reject" if audit.mismatches else recomputed["decision"],
         "agrees": not audit.mismatches and recomputed["decision"] == recorded,
         "mismatches": audit.mismatches, "checks": recomputed["checks"],
+        "non_default_gates": non_default_gates(evidence),
     }
+
+
+def non_default_gates(evidence: dict) -> dict[str, dict]:
+    """{gate: {"value", "default"}} for every gate the run changed from the defaults.
+
+    A gate is part of what a run claims: a forger can loosen one, re-decide and re-hash, and
+    the audit then agrees. Printing what differs from the defaults lets a reader see it."""
+    recorded = (evidence.get("config") or {}).get("gates")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    defaults = dataclasses.asdict(Gates())
+    return {name: {"value": recorded[name], "default": default}
+            for name, default in defaults.items()
+            if name in recorded and not same_value(recorded[name], default)}
 
 
 def _verifier(audit: Audit, evidence: dict):
