@@ -118,6 +118,14 @@ def overlap(case):
     return case.args()
 
 
+def overlap_hidden_by_a_zero_width_space(case):
+    row = json.loads(gsm8k_row(2))
+    row["question"] = row["question"].replace("apples", "app\u200bles")
+    case.write_lines("train.jsonl", [gsm8k_row(1), gsm8k_row(2)])
+    case.write_lines("test.jsonl", [gsm8k_row(11), json.dumps(row)])
+    return case.args()
+
+
 def duplicate_prompt(case):
     # The same question up to case and spacing is the same prompt id.
     row = json.loads(gsm8k_row(1))
@@ -182,6 +190,10 @@ CASES = [
     ("no eval prompts asked", lambda case: case.args("--set", "eval_prompts=0"),
      "config: train_prompts and eval_prompts must be >= 1"),
     ("train/eval overlap", overlap, "train and eval sets share 1 prompt(s)"),
+    ("train/eval overlap hidden by a zero-width space", overlap_hidden_by_a_zero_width_space,
+     "train and eval sets share 1 prompt(s)"),
+    ("GSM8K final answer in non-ASCII digits", answer("Three.\n#### \u0663"),
+     'train.jsonl:4: field "answer": the number after "####" uses non-ASCII digits'),
     ("duplicate prompts", duplicate_prompt, "gsm8k train set: duplicate prompt id"),
     ("non-UTF-8 bytes", non_utf8, "train.jsonl:2: not valid UTF-8 (byte 17: b'\\xe9')"),
     ("prompt over max_prompt_tokens", lambda case: case.args("--set", "max_prompt_tokens=40"),

@@ -269,3 +269,10 @@ def test_bad_input_raises_input_error_naming_the_place(tmp_path, case, action, f
     assert "\n" not in message, "the CLI prints the message on one line"
     for fragment in fragments:
         assert fragment.format(p=tmp_path / "bad.jsonl") in message
+
+
+@pytest.mark.parametrize("hidden", ["\u200b", "\u200d", "\ufeff", "\u00ad", "\u2060"])
+def test_a_zero_width_character_does_not_change_the_prompt_id(hidden):
+    # The pinned id of the plain question (above) is unchanged: nothing visible was dropped.
+    assert prompt_id(f"What is 2{hidden} + 3?") == hashlib.sha256(b"what is 2 + 3?").hexdigest()[:16]
+    assert prompt_id(f"{hidden}What is 2 + 3?{hidden}") == prompt_id("What is 2 + 3?")

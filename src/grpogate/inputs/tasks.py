@@ -21,7 +21,10 @@ from pathlib import Path
 from grpogate.errors import InputError
 
 # The official GSM8K answer ends in "#### N"; N may carry thousands separators or a sign.
-_FINAL_ANSWER = re.compile(r"####\s*[-+]?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+# ASCII digits only: the verifier reads 0-9 (its _NUMBER is re.ASCII), so a reference whose
+# final answer is written "#### ٣" would score even its own gold answer 0.
+_FINAL_ANSWER = re.compile(r"####\s*[-+]?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)", re.ASCII)
+_ANY_DIGIT_ANSWER = re.compile(r"####\s*[-+]?\$?\d")
 # A hub id is `owner/name` (or the bare legacy id `gsm8k`); a missing local path is not one.
 _HUB_ID = re.compile(r"^(?:gsm8k|[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)$")
 # reasoning-gym: how many times the loader doubles the number of generated items before it
@@ -38,8 +41,13 @@ class Problem:
 
 
 def prompt_id(question: str) -> str:
-    """Stable id of a question: insensitive to Unicode form, case and whitespace layout."""
-    normalized = " ".join(unicodedata.normalize("NFKC", question).split()).casefold()
+    """Stable id of a question: insensitive to Unicode form, case, whitespace layout and
+    invisible format characters (zero-width space / joiner, BOM, soft hyphen: category Cf),
+    which would otherwise hide a train/eval overlap. A question without format characters
+    keeps the id it had before they were dropped."""
+    visible = "".join(c for c in unicodedata.normalize("NFKC", question)
+                      if unicodedata.category(c) != "Cf")
+    normalized = " ".join(visible.split()).casefold()
     return hashlib.sha256(normalized.encode("utf-8")).hexdigest()[:16]
 
 
@@ -65,6 +73,9 @@ def _gsm8k_row(record: object, where: str) -> tuple[str, str]:
     answer = record["answer"]
     if "####" not in answer:
         raise InputError(f'{where}: field "answer": no "####" final-answer marker')
+    if not _FINAL_ANSWER.search(answer) and _ANY_DIGIT_ANSWER.search(answer):
+        raise InputError(f'{where}: field "answer": the number after "####" uses non-ASCII '
+                         "digits, which the verifier cannot score; write it with 0-9")
     if not _FINAL_ANSWER.search(answer):
         raise InputError(f'{where}: field "answer": "####" is not followed by a number')
     return record["question"], answer
