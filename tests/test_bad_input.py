@@ -175,6 +175,18 @@ def existing_label(case):
     return args[:out] + args[out + 2:]
 
 
+def out_inside_a_run(inner):
+    def build(case):
+        other = case.root / "cwd" / "other-run"
+        for name in ("adapter", "checkpoints/step-000001"):
+            (other / name).mkdir(parents=True)
+        (other / "trajectories.jsonl").write_text("")
+        args = case.args()
+        args[args.index("--out") + 1] = str(other / inner)
+        return args
+    return build
+
+
 CASES = [
     ("malformed JSONL line", malformed_line, "train.jsonl:3: malformed JSON: Expecting value"),
     ("missing question", missing_field("question"), 'train.jsonl:2: field "question": missing'),
@@ -219,6 +231,10 @@ CASES = [
      "manifest.json: field \"decision\" is 'tune'; only an accepted policy can be a baseline"),
     ("output label that already exists", existing_label,
      "runs/taken: output already exists; choose a new run label"),
+    ("--out inside another run's adapter/", out_inside_a_run("adapter/new"),
+     "adapter/new: inside the run directory"),
+    ("--out inside another run's checkpoints/", out_inside_a_run("checkpoints/x"),
+     "checkpoints/x: inside the run directory"),
     ("gates file with an unknown gate",
      gates_file("gates.toml", "[gates]\nminimum_valid_group_ratio = 0.2\nno_such_gate = 1\n"),
      "gates.toml: unknown gate 'no_such_gate' in [gates]; known gates: minimum_valid_group_ratio"),

@@ -98,6 +98,20 @@ def test_compare_cli(tmp_path):
     assert refused.exit_code == 2 and "seeds differ" in refused.output
 
 
+@pytest.mark.parametrize("target", ["b.json", "r.json"], ids=["one of its inputs", "another file"])
+def test_compare_never_overwrites_its_out(tmp_path, target):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(A))
+    b.write_text(json.dumps(B))
+    (tmp_path / "r.json").write_text("kept")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = CliRunner().invoke(app, ["compare", str(a), str(b), "--out", str(tmp_path / target)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "already exists" in lines[0]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 def test_eval_reproduces_the_runs_retest(tiny_config, tmp_path):
     """Same config and seed: a standalone eval of the baseline and of the delivered adapter
     gives exactly the run's own re-test completions, rewards and policy versions."""

@@ -290,6 +290,8 @@ def compare(
     from grpogate.standalone_eval import compare_evaluations
 
     try:
+        if out and Path(out).exists():  # it may even be one of the inputs: never overwritten
+            raise InputError(f"{out}: already exists; choose a new --out for the comparison")
         documents = []
         for name in (baseline_file, candidate_file):
             if not Path(name).is_file():

@@ -150,8 +150,22 @@ def refuse_existing_output(path: Path) -> None:
         raise InputError(f"{path}: output already exists; choose a new run label (--label) or --out")
 
 
+RUN_MARKERS = ("evidence.json", "trajectories.jsonl", "checkpoints", "manifest.json")
+
+
+def refuse_output_inside_a_run(path: Path) -> None:
+    """A new run never writes inside another run's directory (its adapter/ or checkpoints/):
+    that would break the other run's audit or resume. Any ancestor holding a run is refused."""
+    for ancestor in Path(os.path.abspath(path)).parents:
+        found = [marker for marker in RUN_MARKERS if (ancestor / marker).exists()]
+        if found:
+            raise InputError(f"{path}: inside the run directory {ancestor} (it holds {found[0]}); "
+                             "choose an --out outside any run")
+
+
 def create_run_dir(path: Path) -> Path:
     refuse_existing_output(path)  # checked again here: admission ran before the model loaded
+    refuse_output_inside_a_run(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.mkdir()
     return path

@@ -32,7 +32,8 @@ from grpogate.evidence.manifest import build_manifest, read_baseline_manifest
 from grpogate.evidence.tensorboard import TensorBoardWriter
 from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, atomic_directory, atomic_write_bytes,
                             atomic_write_json, create_run_dir, jsonl_bytes, read_jsonl,
-                            refuse_existing_output, remove_staging, sha256_path)
+                            refuse_existing_output, refuse_output_inside_a_run, remove_staging,
+                            sha256_path)
 from grpogate.inputs import tasks
 from grpogate.inputs.policy import (Policy, check_adapter_dir, current_version, default_cache_dir,
                                     load_policy, resolve_base_model, save_adapter,
@@ -96,6 +97,7 @@ def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:
     run_dir = resume_dir or run_dir_for(config)
     if resume_dir is None:
         refuse_existing_output(run_dir)
+        refuse_output_inside_a_run(run_dir)
     if config.tensorboard and Path(config.tensorboard).is_file():
         raise InputError(f"tensorboard {config.tensorboard}: is a file; give a directory for the "
                          "events files")
