@@ -71,16 +71,63 @@ def test_a_signal_during_a_rollout_stops_before_its_update(tiny_model_dir, tmp_p
     assert comparison["skipped"] is True and comparison["reward_mean_gain"] == 0.0
     assert {"reward", "pass_at_group", "length_budget"} <= set(evidence["decision"]["failed_checks"])
     assert (out / "eval_completions.jsonl").read_text() == ""
-    # The manifest was written last and pins what is there; no checkpoint is left behind.
+    # The interim manifest was written last and pins what is there; the checkpoint stays, so
+    # the polite stop keeps what a SIGKILL would have kept.
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "interrupted" and manifest["decision"] == "reject"
-    assert not (out / "checkpoints").exists()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
+    assert f"grpogate run --resume {out}" in result.output
     recorded = {key: value for key, value in evidence.items() if key != "decision"}
     assert decisions.decide_run(recorded, evidence["config"]["gates"]) == evidence["decision"]
     # `grpogate decide` re-checks it from the files (training rewards aside: patched here).
     mismatches = [m["field"] for m in audit_run(out)["mismatches"]
                   if not re.fullmatch(r"trajectories\.jsonl:\d+ reward", m["field"])]
     assert mismatches == []
+
+
+def fixed_rewards(completions, problems, verifier):
+    return [1.0 if c.sample_index % 2 == 0 else 0.0 for c in completions]
+
+
+def test_a_sigterm_stopped_run_resumes_to_the_uninterrupted_result(tiny_model_dir, tmp_path,
+                                                                   monkeypatch):
+    calls: list[int] = []
+
+    def rewards_then_sigterm(completions, problems, verifier):
+        calls.append(1)
+        if len(calls) == 2:  # during step 1's verification: stops before its update
+            os.kill(os.getpid(), signal.SIGTERM)
+        return fixed_rewards(completions, problems, verifier)
+
+    monkeypatch.setattr(training, "score_completions", rewards_then_sigterm)
+    out = tmp_path / "run"
+    runner = CliRunner()
+    result = runner.invoke(app, cli_args(tiny_model_dir, out))
+    assert result.exit_code == 143, result.output
+    assert json.loads((out / "manifest.json").read_text())["status"] == "interrupted"
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
+
+    monkeypatch.setattr(training, "score_completions", fixed_rewards)
+    result = runner.invoke(app, ["run", "--resume", str(out)])
+    assert result.exit_code == 0, result.output
+    reference = tmp_path / "reference" / "run"  # the same label: trace ids include it
+    result = runner.invoke(app, cli_args(tiny_model_dir, reference))
+    assert result.exit_code == 0, result.output
+
+    for name in ("adapter/adapter_model.safetensors", "trajectories.jsonl",
+                 "eval_completions.jsonl"):
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    evidence = json.loads((out / "evidence.json").read_text())
+    assert evidence["status"] == "ok" and [s["step"] for s in evidence["steps"]] == [0, 1, 2]
+    assert [r["from_step"] for r in evidence["resumes"]] == [1]
+    manifest = json.loads((out / "manifest.json").read_text())  # the final one replaced it
+    assert manifest["status"] == "ok"
+    assert manifest["new_policy_version"] == json.loads(
+        (reference / "manifest.json").read_text())["new_policy_version"]
+    assert not (out / "checkpoints").exists()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # lock released
+    result = runner.invoke(app, ["run", "--resume", str(out)])
+    assert result.exit_code == 2 and "the run is complete" in result.output, result.output
 
 
 def test_a_signal_during_the_last_update_skips_the_retest(tiny_model_dir, tmp_path, monkeypatch):
@@ -156,3 +203,51 @@ def test_a_second_signal_stops_at_once_and_handlers_are_restored():
             assert stop.requested and stop.signal_name == "SIGTERM"
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+HOLD_LOCK = """
+import sys, time
+from grpogate.files import RunDirLock
+lock = RunDirLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_writer_of_a_run_directory_is_refused_naming_the_holder(tiny_model_dir, tmp_path,
+                                                                        monkeypatch):
+    import subprocess
+    import sys
+
+    calls: list[int] = []
+
+    def rewards_then_sigterm(completions, problems, verifier):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return fixed_rewards(completions, problems, verifier)
+
+    monkeypatch.setattr(training, "score_completions", rewards_then_sigterm)
+    out = tmp_path / "run"
+    assert CliRunner().invoke(app, cli_args(tiny_model_dir, out)).exit_code == 143
+    before = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        for args in (["run", "--resume", str(out)], ["report", str(out)]):
+            result = CliRunner().invoke(app, args)
+            assert result.exit_code == 2, result.output
+            lines = [line for line in result.stdout.splitlines() if line.strip()]
+            assert lines == [f"error: {out}: in use by another grpogate process (pid "
+                             f"{holder.pid}); wait for it to finish or stop it first"], lines
+        after = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()
+                 if p.name != ".grpogate.lock"}
+        assert after == before  # the refused resume truncated, wrote and removed nothing
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died: the kernel dropped its lock, and the run resumes.
+    monkeypatch.setattr(training, "score_completions", fixed_rewards)
+    result = CliRunner().invoke(app, ["run", "--resume", str(out)])
+    assert result.exit_code == 0, result.output

@@ -150,7 +150,8 @@ def run(
     if evidence["interruption"]:
         stopped = evidence["interruption"]
         console.print(f"[bold red]interrupted by {stopped['signal']}[/] {stopped['safe_point']} "
-                      f"after {stopped['completed_steps']} finished step(s)")
+                      f"after {stopped['completed_steps']} finished step(s); continue it with "
+                      f"`grpogate run --resume {escape(evidence['run_dir'])}`", soft_wrap=True)
         raise typer.Exit(exit_code(stopped["signal"]))
     if evidence["failure"]:
         console.print(f"[bold red]{evidence['status']}[/] at step {evidence['failure']['step']}: "
@@ -336,10 +337,15 @@ def report(
     run_dir: str = typer.Argument(..., help="A run directory (evidence.json)."),
 ) -> None:
     """Write RUN_DIR/report.html (self-contained, images embedded) and the report_*.png beside it."""
+    from pathlib import Path
+
     from grpogate.evidence.report import write_report
+    from grpogate.files import RunDirLock
 
     try:
-        path = write_report(run_dir)
+        # One writer per run directory: not while a run or a resume is still writing it.
+        with RunDirLock(run_dir) if Path(run_dir).is_dir() else contextlib.nullcontext():
+            path = write_report(run_dir)
     except InputError as error:
         _fail(error)
     console.print(f"report: {path}")

@@ -9,6 +9,8 @@ evidence pins them), so this module sits below all of them and imports nothing o
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import math
@@ -83,6 +85,8 @@ def atomic_directory(path: str | Path):
 def remove_staging(directory: str | Path) -> None:
     """Delete the hidden temporaries (".name.XXXX") that a killed writer left in `directory`."""
     for leftover in Path(directory).glob(".*"):
+        if leftover.name == LOCK_FILE:
+            continue  # held by this very process
         if leftover.is_dir():
             shutil.rmtree(leftover, ignore_errors=True)
         else:
@@ -148,6 +152,59 @@ def refuse_existing_output(path: Path) -> None:
     """An earlier run's outputs are never overwritten: any existing path is refused."""
     if path.exists():
         raise InputError(f"{path}: output already exists; choose a new run label (--label) or --out")
+
+
+LOCK_FILE = ".grpogate.lock"
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory: one writer at a time (a run, a resume, a report).
+
+    flock on RUN_DIR/.grpogate.lock, which holds the holder's pid for the refusal message. The
+    kernel drops the lock when the holder dies, so a SIGKILLed run leaves no stale lock. On
+    release the file is unlinked while still locked; an acquirer re-checks that the file it
+    locked is the one at the path, so an unlinked one is never mistaken for the lock.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.descriptor: int | None = None
+
+    def acquire(self) -> "RunDirLock":
+        while True:
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(descriptor)
+                if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                raise InputError(f"{self.path.parent}: in use by another grpogate process (pid "
+                                 f"{holder}); wait for it to finish or stop it first") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(descriptor).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(descriptor)  # locked a file its holder had just unlinked: try again
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
+        self.descriptor = descriptor
+        return self
+
+    def release(self) -> None:
+        if self.descriptor is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self.descriptor)
+            self.descriptor = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 RUN_MARKERS = ("evidence.json", "trajectories.jsonl", "checkpoints", "manifest.json")

@@ -6,10 +6,11 @@ adapter, re-test both policies on the eval prompts, assemble the evidence from p
 (evidence/assemble.py, the function the audit calls too) and write it, the manifest last.
 Nothing is written before admission passes.
 
-`resume` continues a killed run from its last checkpoint with the run's stored config and
-finishes it normally. SIGINT / SIGTERM stop a run at the next safe point: the evidence then
-says `interrupted`, the re-test is skipped (its fields zero and flagged), and the decision is
-`reject`.
+`resume` continues a killed or interrupted run from its last checkpoint with the run's stored
+config and finishes it normally. SIGINT / SIGTERM stop a run at the next safe point: the
+evidence then says `interrupted`, the re-test is skipped (its fields zero and flagged), the
+interim decision is `reject`, and the checkpoints stay so that `--resume` can continue it.
+Every run holds an exclusive lock on its directory (files.RunDirLock) while it writes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from grpogate.errors import InputError
 from grpogate.evidence.assemble import assemble_evidence, library_versions
 from grpogate.evidence.manifest import build_manifest, read_baseline_manifest
 from grpogate.evidence.tensorboard import TensorBoardWriter
-from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, atomic_directory, atomic_write_bytes,
+from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, RunDirLock, atomic_directory, atomic_write_bytes,
                             atomic_write_json, create_run_dir, jsonl_bytes, read_jsonl,
                             refuse_existing_output, refuse_output_inside_a_run, remove_staging,
                             sha256_path)
@@ -169,8 +170,8 @@ def run(config: RunConfig, reporter=None) -> dict:
     """Run every stage; returns the evidence dict (also on disk with the manifest).
 
     SIGINT / SIGTERM stop the run at the next safe point with status `interrupted`."""
-    with stop_on_signals() as stop:
-        return _execute(admit(config), reporter or NullReporter(), stop, None)
+    with stop_on_signals() as stop, contextlib.ExitStack() as held:
+        return _execute(admit(config), reporter or NullReporter(), stop, None, held)
 
 
 def resume(run_dir: str | Path, config: RunConfig | None = None, reporter=None) -> dict:
@@ -178,7 +179,12 @@ def resume(run_dir: str | Path, config: RunConfig | None = None, reporter=None) 
 
     `config` defaults to the run's stored config; when given it must be identical to it."""
     run_dir = Path(run_dir)
-    with stop_on_signals() as stop:
+    if not run_dir.is_dir():
+        raise InputError(f"{run_dir}: no such run directory to resume")
+    # One writer per run directory: a second resume of the same run is refused here, before
+    # it reads the checkpoint, truncates the trajectories or writes anything.
+    with contextlib.ExitStack() as held, stop_on_signals() as stop:
+        held.enter_context(RunDirLock(run_dir))
         checkpoint = checkpoint_to_resume(run_dir)
         where = str(checkpoint.directory / "state.json")
         stored = resume_config(checkpoint.state.get("config"), where)
@@ -186,7 +192,7 @@ def resume(run_dir: str | Path, config: RunConfig | None = None, reporter=None) 
             raise InputError(f"{where}: the given config differs from the run's stored config; "
                              "a resumed run uses its stored config unchanged")
         return _execute(admit(stored, resume_dir=run_dir), reporter or NullReporter(), stop,
-                        checkpoint)
+                        checkpoint, held)
 
 
 @dataclass
@@ -241,11 +247,13 @@ def prepare(admission: Admission) -> Prepared:
 
 
 def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | None,
-             started: float, reporter) -> OpenRun:
-    """Create the run directory, or reopen a killed run at its last checkpoint."""
+             started: float, reporter, held: contextlib.ExitStack) -> OpenRun:
+    """Create the run directory (and lock it for the rest of the run), or reopen a killed run
+    at its last checkpoint (locked by `resume` before it read the checkpoint)."""
     config = admission.config
     if resumed is None:
         run_dir = create_run_dir(admission.run_dir)
+        held.enter_context(RunDirLock(run_dir))
         run_label = config.label or admission.run_dir.name
         log = JsonlLog(run_dir / "trajectories.jsonl")
         state, resumes, earlier_seconds = LoopState(micro_batch_size=config.micro_batch_size), [], 0.0
@@ -348,8 +356,11 @@ def write_run_files(run_dir: Path, evidence: dict, eval_records: list[dict],
     atomic_write_bytes(run_dir / "eval_completions.jsonl", jsonl_bytes(eval_records))
     atomic_write_json(run_dir / "evidence.json", evidence)
     atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))
-    # The manifest marks the run complete, so it can no longer be resumed: checkpoints are waste.
-    remove_checkpoints(run_dir)
+    # A finished run can no longer be resumed: its checkpoints are waste. A run stopped by a
+    # signal keeps them: its manifest is interim (status interrupted) and `--resume` continues
+    # it, its final manifest then replacing this one by an atomic rename.
+    if evidence["status"] != "interrupted":
+        remove_checkpoints(run_dir)
     # The report is derived from the files above and written after the manifest: a plotting
     # failure (any exception type matplotlib may raise) is logged and never loses the run;
     # `grpogate report RUN_DIR` can write it again.
@@ -363,13 +374,13 @@ def write_run_files(run_dir: Path, evidence: dict, eval_records: list[dict],
 
 
 def _execute(admission: Admission, reporter, stop: StopRequest,
-             resumed: Checkpoint | None) -> dict:
+             resumed: Checkpoint | None, held) -> dict:
     config = admission.config
     started = time.perf_counter()
     prepared = prepare(admission)
     if stop.requested:  # nothing written or changed yet: stopping here leaves no trace
         raise RunInterrupted(stop.signal_name)
-    opened = open_run(admission, prepared, resumed, started, reporter)
+    opened = open_run(admission, prepared, resumed, started, reporter, held)
     train_policy(admission, prepared, opened, reporter, stop)
     adapter_sha = deliver_adapter(prepared.policy, opened.run_dir)
     candidate_version = current_version(prepared.policy)

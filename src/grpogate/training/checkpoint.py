@@ -165,7 +165,7 @@ def checkpoint_to_resume(run_dir: str | Path) -> Checkpoint:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: no such run directory to resume")
-    if (run_dir / "manifest.json").exists():
+    if (run_dir / "manifest.json").exists() and not _interrupted(run_dir / "manifest.json"):
         raise InputError(f"{run_dir}: the run is complete (manifest.json exists); nothing to "
                          "resume. Start a new run with a new --label to train again")
     checkpoint = latest_checkpoint(run_dir)
@@ -175,6 +175,15 @@ def checkpoint_to_resume(run_dir: str | Path) -> Checkpoint:
     if not (run_dir / "trajectories.jsonl").is_file():
         raise InputError(f"{run_dir}/trajectories.jsonl: missing; the run cannot be resumed")
     return checkpoint
+
+
+def _interrupted(manifest: Path) -> bool:
+    """An interim manifest: the run was stopped by a signal and may be continued."""
+    try:
+        document = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return False
+    return isinstance(document, dict) and document.get("status") == "interrupted"
 
 
 def restore_training_state(checkpoint: Checkpoint, trainable: dict[str, torch.nn.Parameter],
