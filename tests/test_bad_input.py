@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,72 @@ def out_inside_a_run(inner):
     return build
 
 
+def tiny_adapter(case, name: str = "adapter", targets=("q_proj", "v_proj")) -> Path:
+    """A real PEFT adapter of the tiny model (r = 4 on `targets`)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(case.model)
+    get_peft_model(model, LoraConfig(r=4, target_modules=list(targets), task_type="CAUSAL_LM")
+                   ).save_pretrained(case.root / name)
+    return case.root / name
+
+
+def adapter_case(change):
+    def build(case):
+        directory = tiny_adapter(case)
+        change(directory)
+        return case.args("--adapter", str(directory))
+    return build
+
+
+def empty_weights(directory):
+    (directory / "adapter_model.safetensors").write_bytes(b"")
+
+
+def truncated_weights(directory):
+    weights = directory / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+
+
+def weights_of_another_shape(directory):
+    from safetensors.torch import load_file, save_file
+
+    weights = directory / "adapter_model.safetensors"
+    save_file({name: tensor[..., :32].contiguous() if "lora_A" in name else tensor
+               for name, tensor in load_file(weights).items()}, weights)
+
+
+def config_change(**changes):
+    def change(directory):
+        config = json.loads((directory / "adapter_config.json").read_text())
+        config.update(changes)
+        (directory / "adapter_config.json").write_text(json.dumps(config))
+    return change
+
+
+def read_only_out(case):
+    probe = Path("/sys/grpogate-probe")
+    try:
+        probe.mkdir()
+    except OSError:
+        pass
+    else:
+        probe.rmdir()
+        pytest.skip("/sys is writable here")
+    args = case.args()
+    args[args.index("--out") + 1] = "/sys/grpogate-run/out"
+    return args
+
+
+def full_disk(case):
+    from grpogate.inputs import budget
+
+    case.monkeypatch.setattr(budget.shutil, "disk_usage",
+                             lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
+    return case.args()
+
+
 CASES = [
     ("malformed JSONL line", malformed_line, "train.jsonl:3: malformed JSON: Expecting value"),
     ("missing question", missing_field("question"), 'train.jsonl:2: field "question": missing'),
@@ -235,6 +302,34 @@ CASES = [
      "adapter/new: inside the run directory"),
     ("--out inside another run's checkpoints/", out_inside_a_run("checkpoints/x"),
      "checkpoints/x: inside the run directory"),
+    ("temperature inf", lambda case: case.args("--set", "temperature=inf"),
+     "config: temperature must be a finite number (got inf)"),
+    ("lora_dropout nan", lambda case: case.args("--set", "lora_dropout=nan"),
+     "config: lora_dropout must be a finite number (got nan)"),
+    ("seed out of range", lambda case: case.args("--seed", str(10**20)),
+     "config: seed must be in [0, 4294967295] (got 100000000000000000000)"),
+    ("group size that cannot fit in memory", lambda case: case.args("--set", "group_size=10000000"),
+     "config: estimated peak memory"),
+    ("max_new_tokens over the model's context",
+     lambda case: case.args("--set", "max_new_tokens=1000000000"),
+     "config: max_prompt_tokens + max_new_tokens = 1000000192 exceeds the model's context of "
+     "512 tokens"),
+    ("zero-byte adapter safetensors", adapter_case(empty_weights),
+     "adapter_model.safetensors: not a safetensors file (0 bytes; truncated or empty)"),
+    ("truncated adapter safetensors", adapter_case(truncated_weights), "(truncated?)"),
+    ("adapter for another base shape", adapter_case(weights_of_another_shape),
+     "does not load onto this base model (Error(s) in loading state_dict"),
+    ("adapter target modules that match nothing",
+     adapter_case(config_change(target_modules=["no_such_proj"])),
+     "does not load onto this base model (Target modules"),
+    ("adapter_config.json lists fewer modules than the file holds",
+     adapter_case(config_change(target_modules=["q_proj"])),
+     "adapter_config.json loads 4 of the 8 tensors in adapter_model.safetensors"),
+    ("LoRA target modules that match nothing",
+     lambda case: case.args("--set", "lora_target_modules=no_such_proj"),
+     "config: lora_target_modules='no_such_proj' (Target modules"),
+    ("read-only output", read_only_out, "cannot write in /sys (Permission denied)"),
+    ("full output filesystem", full_disk, "No space left on device in"),
     ("gates file with an unknown gate",
      gates_file("gates.toml", "[gates]\nminimum_valid_group_ratio = 0.2\nno_such_gate = 1\n"),
      "gates.toml: unknown gate 'no_such_gate' in [gates]; known gates: minimum_valid_group_ratio"),
@@ -266,6 +361,7 @@ CASES = [
 def test_bad_input_is_one_clear_line_exit_2_and_nothing_written(build, fragment, tiny_model_dir,
                                                                tmp_path, monkeypatch):
     case = Case(tmp_path, tiny_model_dir)
+    case.monkeypatch = monkeypatch
     args = build(case)
     cwd = tmp_path / "cwd"
     cwd.mkdir(exist_ok=True)
@@ -291,3 +387,23 @@ def test_the_catalogue_covers_every_case_the_issue_names():
         "baseline manifest decision not accept", "output label that already exists",
         "gates file with an unknown gate", "gates file with a NaN gate",
         "gates file with a negative gate", "non-UTF-8 bytes"}
+
+
+# What a dry run catches without loading weights: the same line, exit 2, nothing written.
+DRY_RUN_CASES = {"prompt over max_prompt_tokens", "temperature inf", "lora_dropout nan",
+                 "seed out of range", "group size that cannot fit in memory",
+                 "max_new_tokens over the model's context", "zero-byte adapter safetensors",
+                 "truncated adapter safetensors", "LoRA target modules that match nothing",
+                 "read-only output", "full output filesystem", "--out inside another run's adapter/"}
+
+
+@pytest.mark.parametrize("build, fragment", [case[1:] for case in CASES if case[0] in DRY_RUN_CASES],
+                         ids=[case[0] for case in CASES if case[0] in DRY_RUN_CASES])
+def test_a_dry_run_refuses_what_the_run_would_refuse(build, fragment, tiny_model_dir, tmp_path,
+                                                     monkeypatch):
+    test_bad_input_is_one_clear_line_exit_2_and_nothing_written(
+        lambda case: build(case) + ["--dry-run"], fragment, tiny_model_dir, tmp_path, monkeypatch)
+
+
+def test_every_dry_run_case_is_in_the_catalogue():
+    assert DRY_RUN_CASES <= {case[0] for case in CASES}

@@ -8,6 +8,7 @@ Exit codes: 0 the run finished and wrote its decision (whatever it is, unless
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 from typing import Optional
 
@@ -24,6 +25,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Auditable GRPO runs that end in an accept / tune / reject decision.")
 console = Console(highlight=False)
 DECISION_EXIT_CODES = {"accept": 0, "tune": 3, "reject": 4}
+OUTPUT_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EFBIG)
 DECISION_STYLE = {"accept": "bold green", "tune": "bold yellow", "reject": "bold red"}
 
 
@@ -122,6 +124,13 @@ def run(
                 evidence = pipeline.run(config, RichReporter(progress))
     except InputError as error:
         _fail(error)
+    except OSError as error:
+        if error.errno not in OUTPUT_ERRNOS:
+            raise
+        # A full or read-only disk is the environment's fault: say which file and the OS's
+        # reason; whatever checkpoint was complete before it stays resumable.
+        _fail(InputError(f"{error.filename or 'output'}: {error.strerror}; free space or choose "
+                         "another --out (a started run continues with --resume)"))
     except RunInterrupted as interrupted:
         console.print(f"[bold red]{escape(str(interrupted))}")
         raise typer.Exit(exit_code(interrupted.signal_name))

@@ -145,6 +145,12 @@ def step_count(train_prompts: int, prompts_per_step: int) -> int:
 
 
 LOSS_AGGREGATIONS = ("sequence_mean", "token_mean")
+SEED_LIMIT = 2**32
+
+
+def _leaves(config: RunConfig) -> list[tuple[str, Any]]:
+    """(dotted name, value) of every plain field, nested tables flattened (task.params kept)."""
+    return [(name, value) for name, value in _flatten(config.to_dict()).items()]
 DTYPES = ("float32", "bfloat16", "auto")
 
 
@@ -155,6 +161,14 @@ def validate(config: RunConfig) -> RunConfig:
         if not ok:
             raise InputError(f"config: {message}")
 
+    for name, value in _leaves(config):
+        need(not isinstance(value, float) or math.isfinite(value),
+             f"{name} must be a finite number (got {value!r})")
+    for name, value in (("seed", config.seed), ("task.train_seed", config.task.train_seed),
+                        ("task.eval_seed", config.task.eval_seed)):
+        # torch's generators take a 64-bit seed and the re-test adds an offset: 0 .. 2**32 - 1.
+        need(0 <= value < SEED_LIMIT, f"{name} must be in [0, {SEED_LIMIT - 1}] (got {value})")
+    need(0 <= config.lora_dropout < 1, f"lora_dropout must be in [0, 1) (got {config.lora_dropout})")
     need(config.group_size >= 2, f"group_size must be >= 2 (got {config.group_size}): "
          "a group-relative advantage needs at least two completions per prompt")
     need(config.eval_group_size >= 1, "eval_group_size must be >= 1")

@@ -36,9 +36,12 @@ from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, RunDirLock, atomic_direct
                             refuse_existing_output, refuse_output_inside_a_run, remove_staging,
                             sha256_path)
 from grpogate.inputs import tasks
-from grpogate.inputs.policy import (Policy, check_adapter_dir, current_version, default_cache_dir,
-                                    load_policy, resolve_base_model, save_adapter,
-                                    trainable_parameters)
+from grpogate.inputs import budget
+from grpogate.inputs.budget import check_output_writable
+from grpogate.inputs.policy import (Policy, check_adapter_dir, check_target_modules,
+                                    current_version, default_cache_dir, load_policy,
+                                    resolve_base_model, resolve_device, resolve_dtype,
+                                    save_adapter, trainable_parameters)
 from grpogate.inputs.tasks import Problem
 from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import RunInterrupted, StopRequest, stop_on_signals
@@ -99,6 +102,7 @@ def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:
     if resume_dir is None:
         refuse_existing_output(run_dir)
         refuse_output_inside_a_run(run_dir)
+    check_output_writable(run_dir, 0)  # the room it needs is known once the model's shapes are
     if config.tensorboard and Path(config.tensorboard).is_file():
         raise InputError(f"tensorboard {config.tensorboard}: is a file; give a directory for the "
                          "events files")
@@ -121,17 +125,61 @@ def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:
 
 
 def dry_run(config: RunConfig) -> dict:
-    """Everything `admit` checks, plus where the model comes from; loads no weights, samples nothing."""
+    """Everything a run checks before it writes, without loading the weights or sampling:
+    admission, where the model comes from, the prompts' token lengths, the LoRA target
+    modules (on a weightless copy of the model), the memory estimate and the disk room."""
     admission = admit(config)
-    base = "hub id (resolved at load time)"
+    base, estimate = "hub id (resolved at load time)", None
     if admission.model_spec.count("/") != 1 or Path(admission.model_spec).exists():
-        base = resolve_base_model(admission.model_spec, admission.model_revision,
-                                  default_cache_dir(config)).identity()
+        source = resolve_base_model(admission.model_spec, admission.model_revision,
+                                    default_cache_dir(config))
+        base = source.identity()
+        estimate = _dry_run_checks(admission, source)
     return {"run_dir": str(admission.run_dir), "model": base, "adapter": admission.adapter or None,
+            "memory_estimate_bytes": estimate,
             "verifier": admission.verifier.version, "train_prompts": len(admission.train),
             "eval_prompts": len(admission.eval), "steps": config.steps,
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "libraries": library_versions()}
+
+
+def _dry_run_checks(admission: Admission, source) -> int:
+    """The checks `prepare` makes after loading, made from the model's config and tokenizer."""
+    from transformers import AutoTokenizer
+
+    config = admission.config
+    model_config = json.loads((Path(source.load_dir) / "config.json").read_text(encoding="utf-8"))
+    tokenizer = AutoTokenizer.from_pretrained(source.load_dir)
+    for problems in (admission.train, admission.eval):
+        encode_prompts(tokenizer, problems, config.resolved_system_prompt(),
+                       config.max_prompt_tokens)
+    if not admission.adapter:
+        check_target_modules(source.load_dir, config)
+    device = resolve_device(config.device)
+    dims = budget.model_dims(model_config)
+    dtype_bytes = torch.empty((), dtype=resolve_dtype(config.dtype, device)).element_size()
+    estimate = budget.check_fits(config, dims, dtype_bytes, available_memory(device), str(device))
+    budget.check_output_writable(admission.run_dir, budget.checkpoint_bytes(config, dims))
+    return estimate["total"]
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_allocated(device)
+    return budget.available_host_memory()
+
+
+def check_budget(admission: Admission, policy: Policy) -> None:
+    """Refuse, before anything is written, a run whose shapes cannot fit in memory or on disk."""
+    base = policy.model.get_base_model()
+    dims = budget.model_dims(base.config.to_dict())
+    dtype_bytes = next(base.parameters()).element_size()
+    budget.check_fits(admission.config, dims, dtype_bytes, available_memory(policy.device),
+                      str(policy.device))
+    if not admission.run_dir.exists():
+        budget.check_output_writable(admission.run_dir,
+                                     budget.checkpoint_bytes(admission.config, dims))
 
 
 def peak_memory(device: torch.device) -> dict:
@@ -228,6 +276,7 @@ def prepare(admission: Admission) -> Prepared:
                                              model_revision=admission.model_revision),
                          adapter=admission.adapter, seed=config.seed)
     load_seconds = time.perf_counter() - started
+    check_budget(admission, policy)
     if admission.baseline_version and policy.baseline_version != admission.baseline_version:
         raise InputError(f"{config.baseline_manifest}: the loaded baseline is policy "
                          f"{policy.baseline_version}, not the manifest's new_policy_version "

@@ -86,6 +86,8 @@ def _read_object(path: Path, audit: Audit) -> dict | None:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         audit.mismatch(f"{path.name} (not valid JSON: {error})")
         return None
+    except RecursionError:
+        raise InputError(f"{path}: JSON nested too deeply to be a grpogate file") from None
     if not isinstance(document, dict):
         audit.mismatch(f"{path.name} (not a JSON object)")
         return None
@@ -111,6 +113,9 @@ def _numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
         except json.JSONDecodeError:
             audit.mismatch(f"{path.name}:{number} (malformed JSON)")
             continue
+        except RecursionError:
+            raise InputError(f"{path}:{number}: JSON nested too deeply to be a grpogate "
+                             "record") from None
         if isinstance(record, dict):
             records.append((number, record))
         else:
@@ -367,6 +372,10 @@ def audit_run(run_dir: str | Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     if not (run_dir / "evidence.json").is_file():
         raise InputError(f"{run_dir}: not a run directory (no evidence.json)")
+    for entry in sorted((run_dir / "adapter").glob("*")) if (run_dir / "adapter").is_dir() else []:
+        if not entry.is_file():
+            raise InputError(f"{entry}: not a file; a run's adapter/ holds only the adapter's "
+                             "files (remove it, or this is not a grpogate run directory)")
     audit = Audit()
     evidence = _read_object(run_dir / "evidence.json", audit)
     if evidence is None or not isinstance(evidence.get("config"), dict):

@@ -29,7 +29,8 @@ from safetensors.torch import load_file
 
 from grpogate.config import BUNDLED_MODEL, RunConfig
 from grpogate.errors import InputError
-from grpogate.files import ADAPTER_WEIGHTS, policy_version, sha256_path, tensors_digest  # noqa: F401
+from grpogate.files import (ADAPTER_WEIGHTS, policy_version, read_safetensors,  # noqa: F401
+                            sha256_path, tensors_digest)
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TRAINABLE = "default"
@@ -238,7 +239,72 @@ def check_adapter_dir(adapter: str) -> Path:
     if not (path / ADAPTER_WEIGHTS).is_file():
         # Pickled adapter_model.bin can execute code on load: only safetensors are accepted.
         raise InputError(f"{adapter}: no {ADAPTER_WEIGHTS}; adapters load only from safetensors")
+    read_safetensors(path / ADAPTER_WEIGHTS)  # an empty or truncated file is bad input, here
+    try:
+        json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise InputError(f"{adapter}/adapter_config.json: not valid JSON ({error})") from None
     return path
+
+
+def _lora_config(config: RunConfig):
+    from peft import LoraConfig
+
+    return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha,
+                      lora_dropout=config.lora_dropout,
+                      target_modules=config.lora_target_modules, task_type="CAUSAL_LM")
+
+
+def _attach_fresh_lora(model, config: RunConfig):
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, _lora_config(config), adapter_name=TRAINABLE)
+    except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
+        raise InputError(f"config: lora_target_modules={config.lora_target_modules!r} "
+                         f"({_first_line(error)})") from None
+
+
+def check_target_modules(load_dir: str, config: RunConfig) -> None:
+    """Attach the configured LoRA to a weightless (meta-device) copy of the model: the dry run
+    learns whether the target modules match anything without loading a single weight."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(load_dir))
+    _attach_fresh_lora(model, config)
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _load_baseline_adapter(model, adapter_dir: Path):
+    """Both copies of the baseline adapter (trainable and frozen reference); InputError when
+    it does not fit the model or would load only partly."""
+    from peft import PeftModel
+
+    try:
+        model = PeftModel.from_pretrained(model, adapter_dir, adapter_name=TRAINABLE,
+                                          is_trainable=True, use_safetensors=True)
+        model.load_adapter(adapter_dir, adapter_name=REFERENCE, is_trainable=False)
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+        # size mismatch (an adapter of another base shape), unknown target modules, a config
+        # PEFT cannot read: all are this adapter's fault, none a grpogate bug.
+        raise InputError(f"{adapter_dir}: does not load onto this base model "
+                         f"({_first_line(error)})") from None
+    # PEFT loads what adapter_config.json targets and silently ignores other tensors in the
+    # file; the recorded hash would then cover tensors the policy never used.
+    in_file = set(read_safetensors(adapter_dir / ADAPTER_WEIGHTS))
+    loaded = set(adapter_state(model, TRAINABLE))
+    if in_file != loaded:
+        ignored = sorted(in_file - loaded)
+        raise InputError(f"{adapter_dir}: adapter_config.json loads {len(in_file & loaded)} of "
+                         f"the {len(in_file)} tensors in {ADAPTER_WEIGHTS} (e.g. "
+                         f"{(ignored or sorted(loaded - in_file))[0]} is not loaded); fix its "
+                         "target_modules so that the whole file is the policy")
+    model.set_adapter(TRAINABLE)
+    return model
 
 
 def adapter_state(model, adapter_name: str = TRAINABLE) -> dict[str, torch.Tensor]:
@@ -253,7 +319,6 @@ def current_version(policy: Policy) -> str:
 
 def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -> Policy:
     """Load the base model and attach the trainable LoRA adapter (fresh, or from `adapter`)."""
-    from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(config.device)
@@ -280,16 +345,10 @@ def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -
     if adapter:
         adapter_dir = check_adapter_dir(adapter)
         adapter_sha = sha256_path(adapter_dir / ADAPTER_WEIGHTS)
-        model = PeftModel.from_pretrained(model, adapter_dir, adapter_name=TRAINABLE,
-                                          is_trainable=True, use_safetensors=True)
-        model.load_adapter(adapter_dir, adapter_name=REFERENCE, is_trainable=False)
-        model.set_adapter(TRAINABLE)
+        model = _load_baseline_adapter(model, adapter_dir)
         baseline_version = policy_version(base.sha256, tensors_sha256(adapter_state(model, REFERENCE)))
     else:
-        lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha,
-                          lora_dropout=config.lora_dropout,
-                          target_modules=config.lora_target_modules, task_type="CAUSAL_LM")
-        model = get_peft_model(model, lora, adapter_name=TRAINABLE)
+        model = _attach_fresh_lora(model, config)
         baseline_version = policy_version(base.sha256, None)
     _freeze_all_but_trainable(model)
     return Policy(model, tokenizer, base, adapter_sha, baseline_version, device)

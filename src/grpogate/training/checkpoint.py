@@ -211,6 +211,11 @@ def restore_training_state(checkpoint: Checkpoint, trainable: dict[str, torch.nn
         first_line = (str(error).strip().splitlines() or [""])[0]
         raise InputError(f"{directory}/{OPTIMIZER_FILE}: refused, not plain tensor data "
                          f"({first_line})") from None
-    optimizer.load_state_dict(optimizer_state)
+    try:
+        optimizer.load_state_dict(optimizer_state)
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError) as error:
+        # Plain tensor data of the wrong structure (another optimizer, a hand-made file).
+        raise InputError(f"{directory}/{OPTIMIZER_FILE}: not this run's optimizer state "
+                         f"({type(error).__name__}: {str(error)[:120]})") from None
     _restore_rng(checkpoint.state["rng"], load_tensors((directory / RNG_FILE).read_bytes()))
 
