@@ -226,3 +226,19 @@ def test_decide_prints_every_gate_the_run_loosened(tmp_path):
     audit = audit_run(run_dir)
     assert audit["non_default_gates"]["minimum_valid_group_ratio"] == {"value": 0.0,
                                                                        "default": 0.2}
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda run: (run / "adapter" / "nested").mkdir(),
+     "adapter/nested: not a file; a run's adapter/ holds only the adapter's files"),
+    (lambda run: (run / "evidence.json").write_text("[" * 100_000 + "]" * 100_000),
+     "evidence.json: JSON nested too deeply to be a grpogate file"),
+    (lambda run: (run / "trajectories.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n"),
+     "trajectories.jsonl:1: JSON nested too deeply to be a grpogate record"),
+], ids=["directory inside adapter/", "deeply nested evidence", "deeply nested record"])
+def test_decide_on_a_malformed_run_directory_is_one_error_line(run_dir, damage, message):
+    damage(run_dir)
+    result = CliRunner().invoke(app, ["decide", str(run_dir)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines

@@ -7,6 +7,7 @@ run in-process (typer's CliRunner), so the moment is exact and the handlers are 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -251,3 +252,59 @@ def test_a_second_writer_of_a_run_directory_is_refused_naming_the_holder(tiny_mo
     monkeypatch.setattr(training, "score_completions", fixed_rewards)
     result = CliRunner().invoke(app, ["run", "--resume", str(out)])
     assert result.exit_code == 0, result.output
+
+
+def interrupted_run(model_dir: Path, out: Path, monkeypatch) -> Path:
+    """A run stopped by SIGTERM after step 0's checkpoint; training rewards fixed from then on."""
+    calls: list[int] = []
+
+    def rewards_then_sigterm(completions, problems, verifier):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return fixed_rewards(completions, problems, verifier)
+
+    monkeypatch.setattr(training, "score_completions", rewards_then_sigterm)
+    assert CliRunner().invoke(app, cli_args(model_dir, out)).exit_code == 143
+    monkeypatch.setattr(training, "score_completions", fixed_rewards)
+    return out
+
+
+def test_a_malformed_optimizer_state_on_resume_is_one_error_line(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    import io
+
+    import torch
+
+    out = interrupted_run(tiny_model_dir, tmp_path / "run", monkeypatch)
+    checkpoint = out / "checkpoints" / "step-000001"
+    buffer = io.BytesIO()  # plain tensor data (weights_only admits it), not this optimizer's
+    torch.save({"state": {}, "param_groups": [{"params": [0, 1, 2]}]}, buffer)
+    (checkpoint / "optimizer.pt").write_bytes(buffer.getvalue())
+    state = json.loads((checkpoint / "state.json").read_text())
+    state["files"]["optimizer.pt"] = hashlib.sha256(buffer.getvalue()).hexdigest()
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    before = {str(p): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    result = CliRunner().invoke(app, ["run", "--resume", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and "optimizer.pt: not this run's optimizer state" in lines[0], lines
+    assert {str(p): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_full_disk_during_a_run_is_one_error_line_with_the_os_reason(tiny_model_dir, tmp_path,
+                                                                       monkeypatch):
+    import errno
+
+    from grpogate.training import checkpoint as checkpoints
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "run" / "x"))
+
+    monkeypatch.setattr(training, "score_completions", fixed_rewards)
+    monkeypatch.setattr(checkpoints, "save_tensors", no_space)
+    result = CliRunner().invoke(app, cli_args(tiny_model_dir, tmp_path / "run"))
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stdout.splitlines() if line.startswith("error")]
+    assert lines == [f"error: {tmp_path / 'run' / 'x'}: No space left on device; free space or "
+                     "choose another --out (a started run continues with --resume)"]
