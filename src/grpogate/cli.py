@@ -188,6 +188,10 @@ def _resume_config(run_dir: str, out, label, dry_run: bool, profile, config_file
 def decide(
     run_dir: str = typer.Argument(..., help="A finished run directory (evidence.json, manifest.json)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full audit as JSON."),
+    replay: int = typer.Option(0, "--replay", metavar="N", min=0,
+                               help="Also regenerate the re-test completions of the first N eval "
+                               "prompts (both policies) from the delivered artifacts and require "
+                               "them to equal the stored ones (loads the model)."),
 ) -> None:
     """Re-check a finished run from its files alone and print the decision.
 
@@ -200,6 +204,10 @@ def decide(
 
     try:
         audit = audit_run(run_dir)
+        if replay:
+            from grpogate.replay import apply_replay, replay_retest
+
+            audit = apply_replay(audit, replay_retest(run_dir, replay))
     except InputError as error:
         _fail(error)
     if as_json:
@@ -209,6 +217,10 @@ def decide(
         for name, gate in audit.get("non_default_gates", {}).items():
             console.print(f"[yellow]non-default gate[/] {name} = {gate['value']!r} "
                           f"(default {gate['default']!r})", soft_wrap=True)
+        if "replay" in audit:
+            from grpogate.replay import replay_summary
+
+            console.print(replay_summary(audit["replay"]), soft_wrap=True)
         for mismatch in audit["mismatches"][:50]:
             console.print(f"[red]mismatch[/] {mismatch['field']}: recorded "
                           f"{_short(mismatch['recorded'])}, recomputed {_short(mismatch['recomputed'])}",

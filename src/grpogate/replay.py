@@ -1,0 +1,145 @@
+"""`grpogate decide RUN --replay N`: regenerate part of the re-test from the delivered artifacts.
+
+The plain audit re-checks every number against the stored records, but a forger who writes
+new completions (or swaps in another adapter) and recomputes every reward, summary, version
+and hash leaves nothing for it to find. Sampling is deterministic for the same policy, prompts,
+seed, batch layout and machine: this module loads the recorded base model, the recorded
+baseline adapter and the delivered adapter/, re-runs the run's own re-test function
+(`sampling.retest.retest_both`, same settings and seed) on the first eval prompts, and
+compares the completions with the stored ones. Where the environment (library versions,
+device, dtype, threads) differs from the one the run recorded, bit-identical sampling is not
+promised: the agreement is reported and nothing is rejected on it.
+
+This is the only part of `decide` that loads torch, and only when --replay is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from grpogate.config import resume_config
+from grpogate.errors import InputError
+from grpogate.evidence.assemble import library_versions
+from grpogate.evidence.audit import reload_problem_sets
+from grpogate.files import ADAPTER_WEIGHTS, read_jsonl
+from grpogate.inputs.policy import (TRAINABLE, current_version, load_adapter_state, load_policy)
+from grpogate.inputs.verifiers import get_verifier
+from grpogate.interrupts import StopRequest
+from grpogate.pipeline import NullReporter
+from grpogate.sampling.retest import retest_both
+from grpogate.sampling.rollout import encode_prompts
+
+ENVIRONMENT_KEYS = ("python", "platform", "torch", "transformers", "peft", "safetensors",
+                    "torch_threads", "device", "dtype")
+
+
+def replay_prompt_count(config, asked: int) -> int:
+    """`asked` rounded up to whole decode batches: a batch's draws depend on all its rows, so
+    only whole batches of the run's layout can be reproduced."""
+    prompts_per_batch = max(1, config.generation_batch_size // config.eval_group_size)
+    return min(config.eval_prompts, math.ceil(asked / prompts_per_batch) * prompts_per_batch)
+
+
+def replay_retest(run_dir: str | Path, prompts: int) -> dict:
+    """Regenerate both policies' re-test completions of the first `prompts` eval prompts.
+
+    Returns {"prompts", "compared", "equal", "environment_matches", "environment_differences",
+    "mismatches"}; mismatches (same shape as the audit's) only when the environment matches."""
+    run_dir = Path(run_dir)
+    evidence = json.loads((run_dir / "evidence.json").read_text(encoding="utf-8"))
+    config = resume_config(evidence["config"], f"{run_dir}/evidence.json")
+    count = replay_prompt_count(config, prompts)
+    differences = _environment_differences(evidence.get("environment") or {}, config)
+    torch.set_num_threads(int((evidence.get("environment") or {}).get("torch_threads")
+                              or torch.get_num_threads()))
+    policy = _delivered_policy(run_dir, evidence, config)
+    _, _, eval_set, _ = reload_problem_sets(evidence["config"], evidence["inputs"])
+    problems = eval_set[:count]
+    encoded = encode_prompts(policy.tokenizer, problems, config.resolved_system_prompt(),
+                             config.max_prompt_tokens)
+    verifier = get_verifier(evidence["inputs"]["verifier"]["name"])
+    replayed, _ = retest_both(policy, problems, encoded, verifier, config,
+                              evidence["artifact"]["new_policy_version"], NullReporter(),
+                              StopRequest())
+    stored = {(r.get("policy"), r.get("prompt_id"), r.get("sample_index")): (number, r)
+              for number, r in enumerate(read_jsonl(run_dir / "eval_completions.jsonl"), 1)}
+    mismatches, equal = [], 0
+    for record in replayed:
+        number, original = stored.get((record["policy"], record["prompt_id"],
+                                       record["sample_index"]), (None, {}))
+        same = all(original.get(key) == record[key]
+                   for key in ("completion", "completion_tokens", "hit_max_length"))
+        equal += same
+        if not same:
+            where = f"eval_completions.jsonl:{number}" if number else (
+                f"eval_completions.jsonl ({record['policy']} {record['prompt_id']} "
+                f"sample {record['sample_index']}: missing)")
+            mismatches.append({"field": f"replay {where} completion",
+                               "recorded": original.get("completion"),
+                               "recomputed": record["completion"]})
+    return {"prompts": count, "compared": len(replayed), "equal": equal,
+            "environment_matches": not differences, "environment_differences": differences,
+            "mismatches": mismatches if not differences else []}
+
+
+def _environment_differences(recorded: dict, config) -> dict:
+    """{key: {"recorded", "now"}} for every environment fact that bit-identity depends on."""
+    from grpogate.inputs.policy import resolve_device, resolve_dtype
+
+    device = resolve_device(config.device)
+    now = library_versions() | {
+        "torch_threads": recorded.get("torch_threads"), "device": str(device),
+        "dtype": str(resolve_dtype(config.dtype, device)).removeprefix("torch.")}
+    return {key: {"recorded": recorded.get(key), "now": now.get(key)}
+            for key in ENVIRONMENT_KEYS if recorded.get(key) != now.get(key)}
+
+
+def _delivered_policy(run_dir: Path, evidence: dict, config):
+    """The recorded base model and baseline, with the delivered adapter as the trained one."""
+    model = evidence["inputs"]["model"]
+    baseline = evidence["inputs"].get("baseline_adapter") or {}
+    adapter = str(baseline.get("path") or "")
+    if adapter and not Path(adapter).is_dir():
+        raise InputError(f"{adapter}: the run's baseline adapter is not on this machine; "
+                         "--replay needs it")
+    policy = load_policy(dataclasses.replace(config, model=model.get("spec") or model["location"],
+                                             model_revision=model.get("revision") or "",
+                                             adapter="", baseline_manifest=""),
+                         adapter=adapter, seed=config.seed)
+    from peft import set_peft_model_state_dict
+
+    delivered = load_adapter_state(run_dir / str(evidence["artifact"]["path"]))
+    outcome = set_peft_model_state_dict(policy.model, delivered, adapter_name=TRAINABLE)
+    if getattr(outcome, "unexpected_keys", None):
+        raise InputError(f"{run_dir}/adapter/{ADAPTER_WEIGHTS}: tensors the run's LoRA does not "
+                         f"have (e.g. {outcome.unexpected_keys[0]})")
+    version = current_version(policy)
+    if version != evidence["artifact"]["new_policy_version"]:
+        raise InputError(f"{run_dir}: the delivered adapter loads as policy {version}, not the "
+                         f"recorded {evidence['artifact']['new_policy_version']}")
+    return policy
+
+
+def apply_replay(audit: dict, replayed: dict) -> dict:
+    """Fold a replay into an audit: any replay mismatch makes the decision `reject`."""
+    audit = {**audit, "replay": replayed}
+    if replayed["mismatches"]:
+        audit.update(mismatches=audit["mismatches"] + replayed["mismatches"], decision="reject",
+                     agrees=False)
+    return audit
+
+
+def replay_summary(replayed: dict) -> str:
+    line = (f"replay: {replayed['prompts']} eval prompt(s), both policies: "
+            f"{replayed['equal']}/{replayed['compared']} completions equal to the stored ones")
+    if replayed["environment_matches"]:
+        return line + " (environment as recorded)"
+    changed = ", ".join(f"{key} {value['recorded']!r} -> {value['now']!r}"
+                        for key, value in replayed["environment_differences"].items())
+    return line + f"; environment differs from the recorded one ({changed}): agreement " \
+                  "reported, not required"
