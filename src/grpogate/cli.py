@@ -192,6 +192,9 @@ def decide(
                                help="Also regenerate the re-test completions of the first N eval "
                                "prompts (both policies) from the delivered artifacts and require "
                                "them to equal the stored ones (loads the model)."),
+    verify_key: Optional[str] = typer.Option(
+        None, "--verify-key", metavar="PUB",
+        help="Also verify RUN_DIR/run.sig (grpogate sign) with this PEM public key."),
 ) -> None:
     """Re-check a finished run from its files alone and print the decision.
 
@@ -208,6 +211,15 @@ def decide(
             from grpogate.replay import apply_replay, replay_retest
 
             audit = apply_replay(audit, replay_retest(run_dir, replay))
+        if verify_key:
+            from grpogate.signing import verify_run
+
+            problem = verify_run(run_dir, verify_key)
+            audit["signature"] = {"key": verify_key, "verified": problem is None}
+            if problem is not None:
+                audit.update(mismatches=audit["mismatches"] + [
+                    {"field": f"signature ({problem})", "recorded": None, "recomputed": None}],
+                    decision="reject", agrees=False)
     except InputError as error:
         _fail(error)
     if as_json:
@@ -217,6 +229,8 @@ def decide(
         for name, gate in audit.get("non_default_gates", {}).items():
             console.print(f"[yellow]non-default gate[/] {name} = {gate['value']!r} "
                           f"(default {gate['default']!r})", soft_wrap=True)
+        if audit.get("signature", {}).get("verified"):
+            console.print(f"signature: run.sig verifies with {escape(verify_key)}", soft_wrap=True)
         if "replay" in audit:
             from grpogate.replay import replay_summary
 
@@ -351,6 +365,22 @@ def compare(
     console.print("exact tests: sign test on per-prompt mean reward, McNemar on per-prompt pass@group")
     for warning in result["warnings"]:
         console.print(f"[yellow]warning:[/] {warning}")
+
+
+@app.command()
+def sign(
+    run_dir: str = typer.Argument(..., help="A finished run directory."),
+    key: str = typer.Option(..., "--key", metavar="PRIVATE", help="PEM elliptic-curve private key."),
+) -> None:
+    """Sign every file of a finished run (RUN_DIR/run.sig, OpenSSF model-signing, local key)."""
+    from grpogate.signing import sign_run
+
+    try:
+        path = sign_run(run_dir, key)
+    except InputError as error:
+        _fail(error)
+    console.print(f"signature: {path} (verify with `grpogate decide {run_dir} --verify-key PUB`)",
+                  soft_wrap=True)
 
 
 @app.command()

@@ -1,0 +1,72 @@
+"""Sign a finished run directory, and verify it, with OpenSSF model-signing and a local key pair.
+
+The audit proves a run is consistent with itself and (with --replay) with its artifacts; a
+signature proves who delivered it. `grpogate sign RUN --key PRIVATE.pem` signs every file of
+the run directory (model-signing's manifest of per-file hashes, signed with an elliptic-curve
+private key, written as a Sigstore bundle to RUN/run.sig); `grpogate decide RUN --verify-key
+PUBLIC.pem` verifies it. Local keys only: no Sigstore identity, no network. The library is an
+optional extra (`pip install grpogate[signing]`); without it these two options say so.
+
+Sign after everything that writes into the run (the report included): any file added or
+changed afterwards fails the verification, which is the point.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from grpogate.errors import InputError
+from grpogate.files import LOCK_FILE, RunDirLock
+
+SIGNATURE_FILE = "run.sig"
+
+
+def _library():
+    try:
+        from model_signing import hashing, signing, verifying
+    except ImportError as error:
+        raise InputError(f"signing needs the model-signing library ({error}); install it with "
+                         "`pip install 'grpogate[signing]'`") from None
+    return hashing, signing, verifying
+
+
+def _hashing_config(hashing, run_dir: Path):
+    # The signature cannot cover itself; the lock file is transient and never part of a run.
+    return hashing.Config().set_ignored_paths(paths=[run_dir / SIGNATURE_FILE,
+                                                     run_dir / LOCK_FILE])
+
+
+def sign_run(run_dir: str | Path, private_key: str | Path) -> Path:
+    """Write RUN_DIR/run.sig over every file of the finished run; returns its path."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "manifest.json").is_file():
+        raise InputError(f"{run_dir}: not a finished run (no manifest.json); only a finished "
+                         "run can be signed")
+    if not Path(private_key).is_file():
+        raise InputError(f"{private_key}: no such private key file")
+    hashing, signing, _ = _library()
+    with RunDirLock(run_dir):
+        try:
+            (signing.Config().set_hashing_config(_hashing_config(hashing, run_dir))
+             .use_elliptic_key_signer(private_key=private_key)
+             .sign(run_dir, run_dir / SIGNATURE_FILE))
+        except ValueError as error:  # not a PEM private key, wrong curve
+            raise InputError(f"{private_key}: cannot sign with this key ({error})") from None
+    return run_dir / SIGNATURE_FILE
+
+
+def verify_run(run_dir: str | Path, public_key: str | Path) -> str | None:
+    """None when RUN_DIR/run.sig verifies with `public_key`, else why not (a mismatch to name)."""
+    run_dir = Path(run_dir)
+    if not Path(public_key).is_file():
+        raise InputError(f"{public_key}: no such public key file")
+    if not (run_dir / SIGNATURE_FILE).is_file():
+        return f"{SIGNATURE_FILE} missing: the run is not signed"
+    hashing, _, verifying = _library()
+    try:
+        (verifying.Config().set_hashing_config(_hashing_config(hashing, run_dir))
+         .use_elliptic_key_verifier(public_key=public_key)
+         .verify(run_dir, run_dir / SIGNATURE_FILE))
+    except ValueError as error:
+        return f"{SIGNATURE_FILE} does not verify with {public_key}: {str(error)[:200]}"
+    return None
