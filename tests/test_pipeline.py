@@ -246,3 +246,25 @@ def test_dry_run_of_the_reference_profile_creates_nothing(tmp_path, monkeypatch)
     assert report["steps"] == 1
     assert report["model"] == "hub id (resolved at load time)"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_manifest_naming_another_base_model_identity_is_refused_after_loading(
+        baseline_copy, tiny_config, tmp_path):
+    """Consistent on paper (the version recomputed from a forged model.sha256 and the real
+    adapter), but the base model that loads under that name is another one: refused before
+    anything is written."""
+    from grpogate.files import policy_version, safetensors_sha256
+
+    directory, manifest = baseline_copy
+    forged = copy.deepcopy(manifest)
+    forged["decision"] = "accept"
+    forged["model"]["sha256"] = "e" * 64
+    forged["new_policy_version"] = policy_version(
+        "e" * 64, safetensors_sha256(directory / "adapter" / "adapter_model.safetensors"))
+    path = write_manifest(directory, forged, "forged.json")
+    config = tiny_config(tmp_path, f"baseline_manifest={json.dumps(path)}",
+                         out=str(tmp_path / "next"))
+    with pytest.raises(InputError, match="the loaded baseline is policy .* not the manifest's "
+                                         "new_policy_version"):
+        pipeline.run(config)
+    assert not (tmp_path / "next").exists()
