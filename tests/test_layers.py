@@ -21,7 +21,8 @@ FOUNDATION = {"errors", "gates", "config", "interrupts", "files", "__init__"}
 # Pure Python: anyone can decide, audit or compare without a model stack.
 TORCH_FREE = ["evidence/decisions.py", "evidence/metrics.py", "evidence/assemble.py",
               "evidence/audit.py", "evidence/manifest.py", "inputs/verifiers.py",
-              "inputs/tasks.py", "config.py", "gates.py", "files.py", "decisions.py", "verifiers.py"]
+              "inputs/tasks.py", "inputs/budget.py", "config.py", "gates.py", "files.py",
+              "decisions.py", "verifiers.py", "signing.py"]
 
 
 def module_name(path: Path) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpogate.inputs import model_cache
 from grpogate.inputs import policy as policy_module
 from grpogate.errors import InputError
 from grpogate.inputs.policy import (
@@ -306,12 +307,12 @@ def test_a_corrupted_or_truncated_model_cache_is_noticed_and_rebuilt(tmp_path, m
         (directory / "model.safetensors").write_bytes(bytes(range(256)) * 64)
         (directory / "config.json").write_text("{}")
 
-    monkeypatch.setattr(policy_module, "_write_cache_entry", fake_entry)
+    monkeypatch.setattr(model_cache, "_write_cache_entry", fake_entry)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    entry = policy_module._dequantized_cache(gguf, "ab" * 32, tmp_path / "cache")
+    entry = model_cache.dequantized_cache(gguf, "ab" * 32, tmp_path / "cache")
     assert len(built) == 1
-    assert policy_module._dequantized_cache(gguf, "ab" * 32, tmp_path / "cache") == entry
+    assert model_cache.dequantized_cache(gguf, "ab" * 32, tmp_path / "cache") == entry
     assert len(built) == 1  # a verified entry is reused
     weights = entry / "model.safetensors"
     clean = weights.read_bytes()
@@ -319,12 +320,12 @@ def test_a_corrupted_or_truncated_model_cache_is_noticed_and_rebuilt(tmp_path, m
     data = bytearray(clean)
     data[8000] ^= 0xFF  # one byte inside one block
     weights.write_bytes(bytes(data))
-    assert policy_module._dequantized_cache(gguf, "ab" * 32, tmp_path / "cache") == entry
+    assert model_cache.dequantized_cache(gguf, "ab" * 32, tmp_path / "cache") == entry
     assert len(built) == 2 and weights.read_bytes() == clean
     assert "model.safetensors does not match its recorded sha256" in capsys.readouterr().err
 
     weights.write_bytes(clean[:1000])  # truncated
-    policy_module._dequantized_cache(gguf, "ab" * 32, tmp_path / "cache")
+    model_cache.dequantized_cache(gguf, "ab" * 32, tmp_path / "cache")
     assert len(built) == 3 and weights.read_bytes() == clean
     assert "rebuilding it" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [entry.name]

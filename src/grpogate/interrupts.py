@@ -1,7 +1,8 @@
 """Ctrl-C and SIGTERM: stop a run at the next safe point instead of dying in the middle of a write.
 
 The handlers only record the request; the pipeline checks it between stages and steps, then
-writes evidence with status `interrupted` (decision `reject`) and the manifest last. A second
+writes evidence with status `interrupted` (interim decision `reject`) and an interim manifest
+last, and keeps the checkpoints: `--resume` continues the run, as after a SIGKILL. A second
 signal stops at once (KeyboardInterrupt); the run can then be resumed from its last checkpoint.
 Handlers are installed only while a run is executing, and only from the main thread (Python
 delivers signals there and refuses `signal.signal` elsewhere).

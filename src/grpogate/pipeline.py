@@ -36,15 +36,14 @@ from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, RunDirLock, atomic_direct
                             refuse_existing_output, refuse_output_inside_a_run, remove_staging,
                             sha256_path)
 from grpogate.inputs import tasks
-from grpogate.inputs import budget
 from grpogate.inputs.budget import check_output_writable
-from grpogate.inputs.policy import (Policy, check_adapter_dir, check_target_modules,
-                                    current_version, default_cache_dir, load_policy,
-                                    resolve_base_model, resolve_device, resolve_dtype,
-                                    save_adapter, trainable_parameters)
+from grpogate.inputs.policy import (Policy, check_adapter_dir, current_version, default_cache_dir,
+                                    load_policy, resolve_base_model, save_adapter,
+                                    trainable_parameters)
 from grpogate.inputs.tasks import Problem
 from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import RunInterrupted, StopRequest, stop_on_signals
+from grpogate.preflight import check_budget, dry_run_checks
 from grpogate.sampling.retest import retest_both
 from grpogate.sampling.rollout import encode_prompts
 from grpogate.training.checkpoint import (CHECKPOINTS, Checkpoint, CheckpointWriter,
@@ -134,52 +133,13 @@ def dry_run(config: RunConfig) -> dict:
         source = resolve_base_model(admission.model_spec, admission.model_revision,
                                     default_cache_dir(config))
         base = source.identity()
-        estimate = _dry_run_checks(admission, source)
+        estimate = dry_run_checks(admission, source)
     return {"run_dir": str(admission.run_dir), "model": base, "adapter": admission.adapter or None,
             "memory_estimate_bytes": estimate,
             "verifier": admission.verifier.version, "train_prompts": len(admission.train),
             "eval_prompts": len(admission.eval), "steps": config.steps,
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "libraries": library_versions()}
-
-
-def _dry_run_checks(admission: Admission, source) -> int:
-    """The checks `prepare` makes after loading, made from the model's config and tokenizer."""
-    from transformers import AutoTokenizer
-
-    config = admission.config
-    model_config = json.loads((Path(source.load_dir) / "config.json").read_text(encoding="utf-8"))
-    tokenizer = AutoTokenizer.from_pretrained(source.load_dir)
-    for problems in (admission.train, admission.eval):
-        encode_prompts(tokenizer, problems, config.resolved_system_prompt(),
-                       config.max_prompt_tokens)
-    if not admission.adapter:
-        check_target_modules(source.load_dir, config)
-    device = resolve_device(config.device)
-    dims = budget.model_dims(model_config)
-    dtype_bytes = torch.empty((), dtype=resolve_dtype(config.dtype, device)).element_size()
-    estimate = budget.check_fits(config, dims, dtype_bytes, available_memory(device), str(device))
-    budget.check_output_writable(admission.run_dir, budget.checkpoint_bytes(config, dims))
-    return estimate["total"]
-
-
-def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_allocated(device)
-    return budget.available_host_memory()
-
-
-def check_budget(admission: Admission, policy: Policy) -> None:
-    """Refuse, before anything is written, a run whose shapes cannot fit in memory or on disk."""
-    base = policy.model.get_base_model()
-    dims = budget.model_dims(base.config.to_dict())
-    dtype_bytes = next(base.parameters()).element_size()
-    budget.check_fits(admission.config, dims, dtype_bytes, available_memory(policy.device),
-                      str(policy.device))
-    if not admission.run_dir.exists():
-        budget.check_output_writable(admission.run_dir,
-                                     budget.checkpoint_bytes(admission.config, dims))
 
 
 def peak_memory(device: torch.device) -> dict:

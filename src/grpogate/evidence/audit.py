@@ -3,7 +3,9 @@
 `grpogate decide RUN_DIR` trusts nothing the run says about itself. From the stored files alone
 it re-runs the verifier named in the evidence on every stored completion (training and re-test)
 against the reference answers of the reloaded problem sets, re-checks every step's rollout
-contract, checks every hash the manifest records, and rebuilds the whole evidence document
+contract, checks every hash the manifest records, recomputes the policy versions from the
+adapter's own tensors (a forger who swaps adapter/ and recomputes every file hash still has
+to name the candidate's version), and rebuilds the whole evidence document
 with the run's own `assemble.assemble_evidence` from the stored records (rollout coverage,
 update totals, re-test metrics and paired statistics, effective throughput, status, decision). Counts must match exactly, floats
 within FLOAT_TOLERANCE; any mismatch makes the decision `reject`, with the field named

@@ -18,9 +18,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +26,7 @@ from safetensors.torch import load_file
 
 from grpogate.config import BUNDLED_MODEL, RunConfig
 from grpogate.errors import InputError
+from grpogate.inputs.model_cache import dequantized_cache
 from grpogate.files import (ADAPTER_WEIGHTS, policy_version, read_safetensors,  # noqa: F401
                             sha256_path, tensors_digest)
 
@@ -101,74 +99,6 @@ def _weights_sha256(directory: Path) -> str:
     return digest.hexdigest()
 
 
-def _dequantized_cache(gguf: Path, gguf_sha256: str, cache_root: Path) -> Path:
-    """Dequantize a GGUF once (about 20 s) into float32 safetensors; later loads take < 1 s.
-
-    source.json (written last: its presence means the entry is complete) pins every file of
-    the entry by sha256, checked on every load: a corrupted block or a truncated file would
-    otherwise load as garbage under the clean model's identity. A damaged entry is rebuilt."""
-    target = cache_root / f"gguf-{gguf_sha256[:16]}"
-    if (target / "source.json").is_file():
-        problem = _cache_problem(target)
-        if problem is None:
-            return target
-        print(f"grpogate: the model cache {target} is damaged ({problem}); rebuilding it "
-              "(about 20 s)", file=sys.stderr)
-    cache_root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_root))
-    try:
-        _write_cache_entry(gguf, staging)
-        files = {p.name: sha256_path(p) for p in sorted(staging.iterdir()) if p.is_file()}
-        (staging / "source.json").write_text(json.dumps(
-            {"gguf": str(gguf), "sha256": gguf_sha256, "files": files}))
-        if (target / "source.json").is_file() and _cache_problem(target) is None:
-            shutil.rmtree(staging)  # another process finished first
-        else:
-            # Swap by renames, so a process still reading the damaged entry keeps its files.
-            trash = cache_root / f".trash-{os.getpid()}-{target.name}"
-            if target.exists():
-                target.rename(trash)
-            staging.rename(target)
-            shutil.rmtree(trash, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
-
-
-def _cache_problem(entry: Path) -> str | None:
-    """Why a cache entry cannot be trusted, or None when every pinned file hashes as recorded."""
-    try:
-        files = json.loads((entry / "source.json").read_text(encoding="utf-8")).get("files")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return "unreadable source.json"
-    if not isinstance(files, dict) or not files:
-        return "no checksums: written by an older grpogate"
-    for name, digest in files.items():
-        path = entry / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if sha256_path(path) != digest:
-            return f"{name} does not match its recorded sha256 (corrupted or truncated)"
-    return None
-
-
-def _write_cache_entry(gguf: Path, directory: Path) -> None:
-    """The dequantized model and its tokenizer, as save_pretrained writes them, into `directory`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    # Clear the GGUF quantizer marker so save_pretrained writes plain float32 weights.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-
-
 def resolve_base_model(model: str, revision: str, cache_root: Path) -> BaseModelSource:
     if model == BUNDLED_MODEL or model.endswith(".gguf"):
         gguf = bundled_gguf_path() if model == BUNDLED_MODEL else Path(model).resolve()
@@ -176,7 +106,7 @@ def resolve_base_model(model: str, revision: str, cache_root: Path) -> BaseModel
             raise InputError(f"{model}: no such GGUF file")
         _check_gguf(gguf)
         digest = sha256_path(gguf)
-        return BaseModelSource("gguf", str(gguf), str(_dequantized_cache(gguf, digest, cache_root)),
+        return BaseModelSource("gguf", str(gguf), str(dequantized_cache(gguf, digest, cache_root)),
                                digest, spec=model)
     path = Path(model)
     if path.exists():
