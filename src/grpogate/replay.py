@@ -52,6 +52,9 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
     "mismatches"}; mismatches (same shape as the audit's) only when the environment matches."""
     run_dir = Path(run_dir)
     evidence = json.loads((run_dir / "evidence.json").read_text(encoding="utf-8"))
+    if (evidence.get("comparison") or {}).get("skipped"):
+        raise InputError(f"{run_dir}: the run stopped before its re-test; there is nothing to "
+                         "replay (resume it first)")
     config = resume_config(evidence["config"], f"{run_dir}/evidence.json")
     count = replay_prompt_count(config, prompts)
     differences = _environment_differences(evidence.get("environment") or {}, config)
