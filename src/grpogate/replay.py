@@ -51,7 +51,13 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
     Returns {"prompts", "compared", "equal", "environment_matches", "environment_differences",
     "mismatches"}; mismatches (same shape as the audit's) only when the environment matches."""
     run_dir = Path(run_dir)
-    evidence = json.loads((run_dir / "evidence.json").read_text(encoding="utf-8"))
+    try:
+        evidence = json.loads((run_dir / "evidence.json").read_text(encoding="utf-8"))
+        evidence["config"], evidence["inputs"], evidence["artifact"]  # noqa: B018 (present?)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError,
+            TypeError) as error:
+        raise InputError(f"{run_dir}/evidence.json: cannot replay from it "
+                         f"({type(error).__name__}: {error})") from None
     if (evidence.get("comparison") or {}).get("skipped"):
         raise InputError(f"{run_dir}: the run stopped before its re-test; there is nothing to "
                          "replay (resume it first)")
