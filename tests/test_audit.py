@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from grpogate.evidence import decisions
 from grpogate.evidence import metrics
+from grpogate.evidence.assemble import dynamic_sampling_section, step_summary
 from grpogate.evidence.audit import audit_run, same_value
 from grpogate.cli import app
 from grpogate.evidence.manifest import build_manifest
@@ -67,9 +68,9 @@ def test_forgery_with_consistent_hashes_is_caught_by_the_verifier(run_dir):
     trajectories = read_jsonl(path)
     evidence = json.loads((run_dir / "evidence.json").read_text())
     evidence["rollout"].update(metrics.rollout_summary(trajectories, 4))
-    step = metrics.rollout_summary([r for r in trajectories if r["step"] == 0], 4)
-    evidence["steps"][0].update({k: step[k] for k in ("mean_reward", "valid_group_count",
-                                                      "valid_group_ratio")})
+    evidence["steps"][0].update(step_summary([r for r in trajectories if r["step"] == 0], 4))
+    evidence["rollout"]["dynamic_sampling"] = dynamic_sampling_section(evidence["config"],
+                                                                       evidence["steps"])
     gates = evidence["config"]["gates"]
     candidate = decisions.evaluate_grpo_candidate(evidence, gates)
     for key in ("valid_group_ratio", "effective_trajectory_count",

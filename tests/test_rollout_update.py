@@ -15,9 +15,11 @@ from grpogate.sampling.rollout import (
     encode_prompts,
     generate_completions,
     score_completions,
+    score_rewards,
     trajectory_records,
 )
 from grpogate.inputs.tasks import Problem, prompt_id
+from grpogate.inputs.rewards import build_reward_set, format_reward
 from grpogate.training.advantages import UpdateBatch, build_update_batch
 from grpogate.training.update import NonFiniteUpdate, UpdateSettings, grpo_update
 from reference_logprobs import completion_logprobs, pack_sequences
@@ -127,25 +129,42 @@ def test_trajectory_records_carry_every_identity(policy, prompts):
     verifier = get_verifier("reasoning-gym/chain_sum")
     rewards = score_completions(completions, problems(), verifier)
     rewards[1] = 1.0  # a value the tiny model cannot earn, to see it carried through
-    records = trajectory_records(completions, rewards, problems(), run_id="run-a", step=3,
-                                 policy_version="p" * 64, verifier_version=verifier.version)
+    reward_set = build_reward_set(
+        [{"name": "correctness", "weight": 1.0}, {"name": "format", "weight": 0.5},
+         {"name": "overlong", "weight": 2.0}], verifier.version, max_new_tokens=8,
+        overlong_buffer_len=4, overlong_penalty_factor=1.0, user_time_limit_seconds=1.0)
+    components = score_rewards(completions, problems(), reward_set, rewards)
+    records = trajectory_records(completions, components, problems(), run_id="run-a", step=3,
+                                 policy_version="p" * 64, verifier_version=verifier.version,
+                                 reward_set=reward_set, generation_round=1)
     assert len(records) == len(prompts) * G
     for record, completion, reward in zip(records, completions, rewards):
-        assert set(record) == {"step", "prompt_id", "sample_index", "trace_id",
-                               "source_policy_version", "verifier_version", "completion",
-                               "completion_tokens", "hit_max_length", "reward"}
-        assert record["step"] == 3
+        assert set(record) == {"step", "round", "prompt_id", "sample_index", "trace_id",
+                               "source_policy_version", "verifier_version", "reward_versions",
+                               "completion", "completion_tokens", "hit_max_length", "rewards",
+                               "reward"}
+        assert record["step"] == 3 and record["round"] == 1
         assert record["prompt_id"] == problems()[completion.prompt_index].prompt_id
         assert record["sample_index"] == completion.sample_index
         assert record["source_policy_version"] == "p" * 64
         assert record["verifier_version"] == verifier.version
+        assert record["reward_versions"]["correctness"] == verifier.version
+        assert set(record["reward_versions"]) == {"correctness", "format", "overlong"}
         assert record["completion"] == completion.text
         assert record["completion_tokens"] == len(completion.completion_token_ids)
         assert record["hit_max_length"] is completion.hit_max_length
-        assert isinstance(record["reward"], float) and record["reward"] == reward
+        tokens = record["completion_tokens"]
+        # overlong: 0 up to 8 - 4 = 4 tokens, then (4 - tokens) / 4
+        overlong = 0.0 if tokens <= 4 else (4 - tokens) / 4
+        formatted = format_reward(completion.text)
+        assert record["rewards"] == {"correctness": reward, "format": formatted,
+                                     "overlong": overlong}
+        assert record["reward"] == pytest.approx(reward + 0.5 * formatted + 2.0 * overlong)
+    assert rewards[1] == 1.0 and records[1]["rewards"]["correctness"] == 1.0
     assert len({r["trace_id"] for r in records}) == len(records)
-    other_step = trajectory_records(completions, rewards, problems(), run_id="run-a", step=4,
-                                    policy_version="p" * 64, verifier_version=verifier.version)
+    other_step = trajectory_records(completions, components, problems(), run_id="run-a", step=4,
+                                    policy_version="p" * 64, verifier_version=verifier.version,
+                                    reward_set=reward_set)
     assert not {r["trace_id"] for r in records} & {r["trace_id"] for r in other_step}
 
 

@@ -2,8 +2,9 @@
 
 `generate_completions` is a pure function of (model, tokenizer, prompts, settings, seed): it
 returns plain `Completion` records holding token ids and text, nothing else. Scoring happens in
-`score_completions` (timed separately as verification), and `trajectory_records` joins both into
-the records written to trajectories.jsonl. All prompts of a step are batched across groups.
+`score_completions` (the correctness verifier) and `score_rewards` (every weighted component; both
+timed as verification), and `trajectory_records` joins them into the records written to
+trajectories.jsonl. All prompts of a step are batched across groups.
 """
 
 from __future__ import annotations
@@ -194,30 +195,44 @@ def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> tuple[list[int], bool]:
 
 
 def score_completions(completions: list[Completion], problems: list[Problem], verifier) -> list[float]:
+    """The correctness verifier's reward of every completion."""
     return [verifier.score(c.text, problems[c.prompt_index].reference) for c in completions]
+
+
+def score_rewards(completions: list[Completion], problems: list[Problem], reward_set,
+                  correctness: list[float]) -> list[dict[str, float]]:
+    """Every reward component of every completion (`correctness` from `score_completions`)."""
+    return [reward_set.score(c.text, problems[c.prompt_index].reference,
+                             len(c.completion_token_ids), reward)
+            for c, reward in zip(completions, correctness)]
 
 
 def trace_id(run_id: str, step: int, prompt_id: str, sample_index: int) -> str:
     return hashlib.sha256(f"{run_id}|{step}|{prompt_id}|{sample_index}".encode()).hexdigest()[:24]
 
 
-def trajectory_records(completions: list[Completion], rewards: list[float], problems: list[Problem],
-                       *, run_id: str, step: int, policy_version: str,
-                       verifier_version: str) -> list[dict]:
-    """One JSON-ready record per completion, with every identity the contract checks."""
+def trajectory_records(completions: list[Completion], components: list[dict[str, float]],
+                       problems: list[Problem], *, run_id: str, step: int, policy_version: str,
+                       verifier_version: str, reward_set, generation_round: int = 0) -> list[dict]:
+    """One JSON-ready record per completion, with every identity the contract checks: each
+    reward component and its version, and `reward`, their weighted total (what the
+    advantages are computed from). `round` is the step's generation round (dynamic sampling)."""
     records = []
-    for completion, reward in zip(completions, rewards):
+    for completion, values in zip(completions, components):
         problem = problems[completion.prompt_index]
         records.append({
             "step": step,
+            "round": generation_round,
             "prompt_id": problem.prompt_id,
             "sample_index": completion.sample_index,
             "trace_id": trace_id(run_id, step, problem.prompt_id, completion.sample_index),
             "source_policy_version": policy_version,
             "verifier_version": verifier_version,
+            "reward_versions": dict(reward_set.versions),
             "completion": completion.text,
             "completion_tokens": len(completion.completion_token_ids),
             "hit_max_length": completion.hit_max_length,
-            "reward": float(reward),
+            "rewards": {name: float(value) for name, value in values.items()},
+            "reward": reward_set.total(values),
         })
     return records
