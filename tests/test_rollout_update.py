@@ -386,3 +386,29 @@ def test_sampling_leaves_the_callers_float32_logits_untouched():
     before = logits.clone()
     _sample(logits, 0.7, 0.9, torch.Generator().manual_seed(0))
     assert torch.equal(logits, before)
+
+
+def test_masked_truncated_completion_adds_no_loss(policy, prompts):
+    """Row 1 masked (mask_truncated_completions) must equal row 1 carrying zero loss, with the
+    sequence_mean denominator counting the 3 contributing sequences instead of 4: with kl 0,
+    an advantage of 0 gives row 1 zero loss, so grad(masked) = 4/3 x grad(advantage 0)."""
+    parameters = list(trainable_parameters(policy).values())
+
+    def gradients(batch):
+        optimizer = torch.optim.AdamW(parameters, lr=0.0)  # grads stay; parameters do not move
+        record = grpo_update(policy.model, optimizer, batch,
+                             update_settings(kl_coef=0.0, max_grad_norm=1e9), EOS,
+                             lambda: reference_mode(policy), parameters)
+        return record, [p.grad.clone() for p in parameters]
+
+    masked = hand_batch(prompts)
+    masked.contributes = [True, False, True, True]
+    zero_advantage = hand_batch(prompts)
+    zero_advantage.advantages[1] = 0.0
+    record, masked_grads = gradients(masked)
+    _, zero_grads = gradients(zero_advantage)
+    assert record.masked_sequences == 1 and record.summary()["masked_truncated_sequences"] == 1
+    assert record.tokens == 4 + 2 + 4  # row 1's 6 tokens are out of the loss
+    assert any(g.abs().sum() > 0 for g in masked_grads)
+    for got, reference in zip(masked_grads, zero_grads):
+        assert torch.allclose(got, reference * 4 / 3, atol=1e-6, rtol=1e-4)
