@@ -30,7 +30,7 @@ STEP_FIELDS = ("mean_reward", "group_count", "valid_group_count", "valid_group_r
 def library_versions() -> dict:
     versions = {"python": platform.python_version(), "platform": platform.platform()}
     for package in ("grpogate", "torch", "transformers", "peft", "safetensors", "gguf",
-                    "reasoning-gym", "numpy"):
+                    "reasoning-gym", "numpy", "math-verify"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
