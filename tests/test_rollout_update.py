@@ -412,3 +412,55 @@ def test_masked_truncated_completion_adds_no_loss(policy, prompts):
     assert any(g.abs().sum() > 0 for g in masked_grads)
     for got, reference in zip(masked_grads, zero_grads):
         assert torch.allclose(got, reference * 4 / 3, atol=1e-6, rtol=1e-4)
+
+
+def test_top_k_and_min_p_truncate_and_the_logprob_is_the_truncated_distributions():
+    from grpogate.sampling.rollout import _sample
+
+    # Unsorted on purpose, so the sort-and-gather back to vocabulary ids is exercised.
+    probs = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])
+    logits = torch.log(probs).expand(20_000, -1)
+    generator = torch.Generator().manual_seed(3)
+
+    def frequencies(**knobs):
+        tokens, logp = _sample(logits, 1.0, knobs.pop("top_p", 1.0), generator,
+                               with_logprobs=True, **knobs)
+        return torch.bincount(tokens, minlength=5).double() / 20_000, tokens, logp
+
+    # top_k 2: ids 1 (0.4) and 3 (0.3) only, renormalized 4/7 and 3/7; log p = log(p / 0.7).
+    counts, tokens, logp = frequencies(top_k=2)
+    assert counts[[0, 2, 4]].sum() == 0
+    assert counts[1].item() == pytest.approx(4 / 7, abs=0.014)
+    assert torch.allclose(logp, torch.log(probs[tokens] / 0.7), atol=1e-6)
+    # min_p 0.3: keep p >= 0.3 x 0.4 = 0.12: ids 1, 3, 4 (0.15), mass 0.85.
+    counts, tokens, logp = frequencies(min_p=0.3)
+    assert counts[[0, 2]].sum() == 0
+    assert counts[4].item() == pytest.approx(0.15 / 0.85, abs=0.014)
+    assert torch.allclose(logp, torch.log(probs[tokens] / 0.85), atol=1e-6)
+    # top_k 3 (ids 1, 3, 4: mass 0.85), then top_p 0.5 of that: 0.4 / 0.85 = 0.47 < 0.5, adding
+    # 0.3 / 0.85 crosses it -> {1, 3}; then min_p 0.8 (p >= 0.32) leaves id 1 alone: log p = 0.
+    counts, tokens, logp = frequencies(top_k=3, top_p=0.5, min_p=0.8)
+    assert counts[1].item() == 1.0 and torch.allclose(logp, torch.zeros(20_000), atol=1e-6)
+    # Nothing truncated: the full distribution's log-prob, log p.
+    counts, tokens, logp = frequencies()
+    assert torch.allclose(logp, torch.log(probs[tokens]), atol=1e-6)
+
+
+def test_a_truncating_sampler_is_the_ratios_old_policy(policy, prompts, monkeypatch):
+    seen = []
+    real_terms = objectives.grpo_token_terms
+
+    def spy(logp, old_logp, *args):
+        seen.append((logp.detach().clone(), old_logp.detach().clone()))
+        return real_terms(logp, old_logp, *args)
+
+    monkeypatch.setattr(objectives, "grpo_token_terms", spy)
+    batch = hand_batch(prompts)
+    # The sampler's log-probs under a truncated distribution are higher than the full ones:
+    # here every token's is log 0.5, far from what the random model gives.
+    batch.old_logprobs = [[math.log(0.5)] * len(c) for c in batch.completion_token_ids]
+    run_update(policy, batch, micro_batch_size=8)
+    logp, old = seen[0]
+    mask = old != logp  # padded positions keep the detached current value (ratio 1)
+    assert mask.sum() == 4 + 6 + 2 + 4
+    assert torch.allclose(old[mask], torch.full((16,), math.log(0.5)))

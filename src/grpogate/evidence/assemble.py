@@ -76,6 +76,17 @@ def step_summary(records: list[dict], group_size: int, mask_truncated: bool = Fa
     return {key: summary[key] for key in STEP_FIELDS}
 
 
+def sampling_section(config: dict) -> dict:
+    """The rollout's sampling settings, and which distribution the update's ratio divides by."""
+    settings = {key: config.get(key, default) for key, default in
+                (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))}
+    truncated = settings["top_p"] < 1.0 or settings["top_k"] > 0 or settings["min_p"] > 0.0
+    return {**settings, "truncated": truncated,
+            "ratio_old_logprobs": (
+                "sampler: the truncated, renormalized distribution the tokens were drawn from"
+                if truncated else "the full softmax(logits / temperature) of the rollout policy")}
+
+
 def dynamic_sampling_section(config: dict, steps: list[dict]) -> dict:
     """Totals of the per-step refill records: the refill's generation counts in the effective
     throughput's denominator because it is part of the rollout seconds."""
@@ -99,6 +110,7 @@ def rollout_section(trajectories: list[dict], steps: list[dict], seconds: dict, 
                                                       "sum_then_normalize"),
             "reward_errors": reward_errors,
             "dynamic_sampling": dynamic_sampling_section(config, steps),
+            "sampling": sampling_section(config),
             "rollout_seconds": seconds["rollout"],
             "verification_seconds": seconds["verification"], "generated_tokens": generated,
             "generation_tokens_per_second": generated / seconds["rollout"] if seconds["rollout"] else 0.0,

@@ -64,6 +64,9 @@ class UpdateBatch:
     group_index: list[int]  # which valid group (0..valid_groups-1) each sequence belongs to
     # False: the sequence adds no loss (mask_truncated_completions), its advantage unchanged.
     contributes: list[bool] | None = None
+    # The sampler's per-token log-probs, when the ratio must be taken against the truncated
+    # distribution it sampled from (top_k / top_p / min_p); None: the trainer's own.
+    old_logprobs: list[list[float]] | None = None
 
     def contributing(self, index: int) -> bool:
         return self.contributes is None or self.contributes[index]
@@ -90,13 +93,15 @@ def build_update_batch(prompt_token_ids: list[list[int]], completion_token_ids: 
                        components: list[list[float]] | None = None,
                        weights: list[float] | None = None,
                        aggregation: str = "sum_then_normalize",
-                       contributes: list[bool] | None = None) -> UpdateBatch:
+                       contributes: list[bool] | None = None,
+                       sampler_logprobs: list[list[float]] | None = None) -> UpdateBatch:
     """Sequences arrive grouped (G consecutive per prompt); keep only the valid groups'.
 
     `rewards` are the weighted totals; `components` [N][K] with `weights` [K] (default: the
     totals as one component of weight 1) feed the aggregation. `contributes[i]` False keeps
     sequence i in its group's advantages but out of the loss; a valid group none of whose
     sequences contributes is dropped, since it would add an optimizer step with no gradient.
+    `sampler_logprobs[i]` (one per completion token) become the ratio's old log-probs.
     """
     if len(rewards) % group_size:
         raise ValueError(f"{len(rewards)} completions do not form complete groups of {group_size}")
@@ -107,7 +112,8 @@ def build_update_batch(prompt_token_ids: list[list[int]], completion_token_ids: 
     valid = valid_group_mask(totals)  # [B]
     advantages = aggregate_advantages(matrix, torch.tensor(weights, dtype=torch.float64),
                                       aggregation, valid)  # [B, G]
-    batch = UpdateBatch([], [], [], [], None if contributes is None else [])
+    batch = UpdateBatch([], [], [], [], None if contributes is None else [],
+                        None if sampler_logprobs is None else [])
     for group in torch.nonzero(valid).flatten().tolist():
         rows = range(group * group_size, (group + 1) * group_size)
         if contributes is not None and not any(contributes[row] for row in rows):
@@ -120,4 +126,6 @@ def build_update_batch(prompt_token_ids: list[list[int]], completion_token_ids: 
             batch.group_index.append(index)
             if contributes is not None:
                 batch.contributes.append(bool(contributes[row]))
+            if sampler_logprobs is not None:
+                batch.old_logprobs.append(list(sampler_logprobs[row]))
     return batch

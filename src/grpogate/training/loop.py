@@ -232,7 +232,9 @@ def _update(loop: Loop, state: LoopState, step: int, rollout: Rollout):
         weights=list(loop.reward_set.weights.values()),
         aggregation=config.multi_objective_aggregation,
         contributes=([not c.hit_max_length for c in rollout.completions]
-                     if config.mask_truncated_completions else None))
+                     if config.mask_truncated_completions else None),
+        sampler_logprobs=([c.sampler_logprobs for c in rollout.completions]
+                          if sampling_settings(config).truncates else None))
     settings = dataclasses.replace(UpdateSettings.from_config(config),
                                    micro_batch_size=state.micro_batch_size)
 

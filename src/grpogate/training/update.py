@@ -10,6 +10,9 @@ Where this departs from the DeepSeekMath GRPO objective (Shao et al. 2024, eq. 3
 - With one optimizer step per rollout the rollout policy *is* the current policy, so its
   log-probs are the detached current ones (ratio 1, clip inactive, same gradient) and no extra
   forward is spent; with several steps per rollout they are computed once before the first step.
+  When the sampler truncates its distribution (top_k / top_p / min_p), the old log-probs are
+  the sampler's own under that truncated, renormalized distribution, so the ratio is taken
+  against what was really sampled from (it is then <= 1 on kept tokens at the first step).
 - With `mask_truncated_completions`, completions that hit max_new_tokens add no loss and do not
   count in the loss denominator (sequences or tokens); their advantages are computed with them.
 - Any failure rolls the adapter and optimizer back to before the rollout's update; an
@@ -231,7 +234,12 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
     plan = step_plan(batch, settings.groups_per_update)
     step = _Step(model, batch, settings, pad_id, reference_mode,
                  next(model.parameters()).device, {})
-    if len(plan) > 1:  # later steps need the rollout policy's log-probs, fixed before step one
+    if batch.old_logprobs is not None:
+        # The sampler drew from a truncated distribution (top_k / top_p / min_p): that, not
+        # the trainer's full softmax, is the behaviour policy the ratio divides by.
+        step.old_logp = {i: torch.tensor(values, device=step.device, dtype=torch.float32)
+                         for i, values in enumerate(batch.old_logprobs)}
+    elif len(plan) > 1:  # later steps need the rollout policy's log-probs, fixed before step one
         step.old_logp = rollout_logprobs(step, [i for rows in plan for i in rows])
     for rows in plan:
         _optimizer_step(step, optimizer, parameters, rows, record, advance)
