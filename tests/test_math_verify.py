@@ -141,3 +141,23 @@ def test_code_inside_the_confined_child_can_neither_spawn_nor_touch_files():
     assert all("refused" in o for o in outcomes), outcomes
     assert not marker.exists()
     shutil.rmtree(directory)
+
+
+GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+@pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason=f"GSM8K not found at {GSM8K_DIR}")
+def test_a_gsm8k_run_scored_by_math_verify_names_it_and_audits_clean(tiny_config, tmp_path):
+    from grpogate import pipeline
+    from grpogate.evidence.audit import audit_run
+
+    config = tiny_config(tmp_path, "task.source=gsm8k", f"task.path={str(GSM8K_DIR)!r}",
+                         "verifier=math-verify-v1", train_prompts=2, prompts_per_step=2,
+                         eval_prompts=2)
+    evidence = pipeline.run(config)
+    assert evidence["inputs"]["verifier"] == {"name": "math-verify-v1",
+                                              "version": "math-verify-v1"}
+    assert evidence["inputs"]["rewards"][0]["version"] == "math-verify-v1"
+    assert evidence["environment"]["math-verify"] == "0.9.0"
+    audit = audit_run(evidence["run_dir"])  # re-scores every completion with math-verify again
+    assert audit["mismatches"] == [] and audit["agrees"]
