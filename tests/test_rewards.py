@@ -200,3 +200,26 @@ def test_rewards_load_from_toml_with_weights(tmp_path):
                               {"name": "format", "weight": 0.25}]
     assert config.multi_objective_aggregation == "normalize_then_sum"
 
+
+
+def _records(reward_versions, rewards):
+    return [{"prompt_id": "p1", "source_policy_version": "pol", "verifier_version": "v1",
+             "trace_id": f"t{i}", "reward_versions": reward_versions, "rewards": rewards}
+            for i in range(2)]
+
+
+def test_the_step_contract_checks_every_components_version():
+    from grpogate.evidence.decisions import check_step_contract
+
+    expected = {"correctness": "v1", "format": "format-v1"}
+    values = {"correctness": 1.0, "format": 0.0}
+    assert check_step_contract(_records(expected, values), "pol", "v1", 2, expected) == {
+        "admitted": True, "failed_checks": []}
+    # One component at another version, or a component missing from a record: not admitted.
+    other = {"correctness": "v1", "format": "format-v2"}
+    assert check_step_contract(_records(other, values), "pol", "v1", 2, expected) == {
+        "admitted": False, "failed_checks": ["reward_versions"]}
+    assert check_step_contract(_records(expected, {"correctness": 1.0}), "pol", "v1", 2,
+                               expected)["failed_checks"] == ["reward_versions"]
+    # Without expected versions the SPEC §4 contract is unchanged.
+    assert check_step_contract(_records(other, values), "pol", "v1", 2)["admitted"] is True
