@@ -171,3 +171,18 @@ def test_unreadable_files_are_mismatches_not_crashes(run_dir):
     assert audit["mismatches"][0]["field"].startswith("evidence.json (not valid JSON")
     result = CliRunner().invoke(app, ["decide", str(run_dir)])
     assert result.exit_code == 4
+
+
+def test_a_tampered_reward_component_or_its_version_is_named(run_dir):
+    """The audit re-scores every component with the run's reward functions: a component
+    changed in a record, or a component version changed, is named even when the total and
+    every summary still agree."""
+    path = run_dir / "trajectories.jsonl"
+    record = json.loads(path.read_text().splitlines()[2])
+    rewrite_line(path, 3, rewards={"correctness": 1.0 - record["rewards"]["correctness"]},
+                 reward=record["reward"])
+    rewrite_line(path, 4, reward_versions={"correctness": "gsm8k-final-number-v0"})
+    found = fields(audit_run(run_dir))
+    assert "trajectories.jsonl:3 rewards.correctness" in found
+    assert "trajectories.jsonl:3 reward" not in found  # the total itself was left as scored
+    assert "contract.admitted" in found  # line 4's component version breaks its step contract
