@@ -223,3 +223,27 @@ def test_the_step_contract_checks_every_components_version():
                                expected)["failed_checks"] == ["reward_versions"]
     # Without expected versions the SPEC §4 contract is unchanged.
     assert check_step_contract(_records(other, values), "pol", "v1", 2)["admitted"] is True
+
+
+SWALLOWING = '''
+import time
+
+def stubborn(completion, reference):
+    try:
+        time.sleep(5)
+    except Exception:  # a user's broad handler must not swallow the time limit
+        time.sleep(5)
+    return 1.0
+'''
+
+
+def test_a_users_broad_except_cannot_swallow_the_time_limit(tmp_path, monkeypatch):
+    (tmp_path / "stubborn_12.py").write_text(SWALLOWING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        rewards = reward_set(("stubborn_12:stubborn", 1.0), user_time_limit_seconds=0.2)
+        started = time.perf_counter()
+        assert rewards.score("x", "#### 1", 1, correctness=0.0) == {"stubborn_12:stubborn": 0.0}
+        assert time.perf_counter() - started < 2.0 and rewards.error_count == 1
+    finally:
+        sys.modules.pop("stubborn_12", None)

@@ -66,8 +66,9 @@ def soft_overlong_punishment(completion_tokens: int, *, max_new_tokens: int, buf
     return -penalty_factor
 
 
-class TimeLimitExceeded(Exception):
-    """A user reward function ran past its time limit."""
+class TimeLimitExceeded(BaseException):
+    """A user reward function ran past its time limit. A BaseException, so that a user
+    function's own `except Exception` cannot swallow it and run on."""
 
 
 def call_with_time_limit(function: Callable, args: tuple, seconds: float) -> Any:
@@ -158,7 +159,7 @@ class RewardSet:
             value = float(value)
             if not math.isfinite(value):
                 raise ValueError(f"non-finite reward {value!r}")
-        except Exception:  # user code: any failure scores 0 and is counted, never stops the run
+        except (Exception, TimeLimitExceeded):  # user code: any failure scores 0 and is counted
             self.error_counts[name] = self.error_counts.get(name, 0) + 1
             return 0.0
         return value
