@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 
 from grpogate.evidence import decisions
 from grpogate.evidence import metrics
-from grpogate.evidence.assemble import dynamic_sampling_section, step_summary
+from grpogate.evidence.assemble import (dynamic_sampling_section, generation_rounds,
+                                       step_summary)
 from grpogate.evidence.audit import audit_run, same_value
 from grpogate.cli import app
 from grpogate.evidence.manifest import build_manifest
@@ -68,7 +69,11 @@ def test_forgery_with_consistent_hashes_is_caught_by_the_verifier(run_dir):
     trajectories = read_jsonl(path)
     evidence = json.loads((run_dir / "evidence.json").read_text())
     evidence["rollout"].update(metrics.rollout_summary(trajectories, 4))
-    evidence["steps"][0].update(step_summary([r for r in trajectories if r["step"] == 0], 4))
+    step_records = [r for r in trajectories if r["step"] == 0]
+    evidence["steps"][0].update(step_summary(step_records, 4))
+    for recorded, rebuilt in zip(evidence["steps"][0]["generation_rounds"],
+                                 generation_rounds(step_records, 4, evidence["config"]["seed"], 0)):
+        recorded.update(rebuilt)
     evidence["rollout"]["dynamic_sampling"] = dynamic_sampling_section(evidence["config"],
                                                                        evidence["steps"])
     gates = evidence["config"]["gates"]

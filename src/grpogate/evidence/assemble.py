@@ -87,6 +87,20 @@ def sampling_section(config: dict) -> dict:
                 if truncated else "the full softmax(logits / temperature) of the rollout policy")}
 
 
+def generation_rounds(records: list[dict], group_size: int, run_seed: int, step: int) -> list[dict]:
+    """One step's rounds as its records show them: round, seed, prompts, valid groups (the
+    loop records these plus seconds; the audit recomputes them)."""
+    rounds = sorted({int(r.get("round", 0)) for r in records})
+    summary = []
+    for number in rounds:
+        members = [r for r in records if int(r.get("round", 0)) == number]
+        coverage = metrics.rollout_summary(members, group_size)
+        summary.append({"round": number, "seed": rollout_seed(run_seed, step, number),
+                        "prompts": coverage["group_count"],
+                        "valid_groups": coverage["valid_group_count"]})
+    return summary
+
+
 def dynamic_sampling_section(config: dict, steps: list[dict]) -> dict:
     """Totals of the per-step refill records: the refill's generation counts in the effective
     throughput's denominator because it is part of the rollout seconds."""

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from grpogate.config import TaskConfig
 from grpogate.errors import InputError
 from grpogate.evidence import decisions
-from grpogate.evidence.assemble import (assemble_evidence, recorded_facts, rollout_seed,
+from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, recorded_facts,
                                        step_summary)
 from grpogate.evidence.manifest import RUN_FILES, build_manifest, trace_ids_sha256
 from grpogate.files import ADAPTER_WEIGHTS, sha256_path
@@ -245,13 +245,14 @@ def check_steps(audit: Audit, evidence: dict, trajectories: list[dict],
         try:
             audit.compare(f"steps[{index}]", step,
                           step_summary(records, group_size, mask_truncated))
-            rounds = sorted({int(r.get("round", 0)) for r in records})
-            audit.compare(f"steps[{index}].generation_rounds (rounds)",
-                          [r.get("round") for r in step.get("generation_rounds") or []], rounds)
-            audit.compare(f"steps[{index}].generation_rounds (seeds)",
-                          [r.get("seed") for r in step.get("generation_rounds") or []],
-                          [rollout_seed(evidence["config"]["seed"], step.get("step"), r)
-                           for r in rounds])
+            recorded_rounds = step.get("generation_rounds") or []
+            rounds = generation_rounds(records, group_size, evidence["config"]["seed"],
+                                       step.get("step"))
+            if len(recorded_rounds) != len(rounds):
+                audit.mismatch(f"steps[{index}].generation_rounds (count)",
+                               len(recorded_rounds), len(rounds))
+            else:  # per round: seed, prompts and valid groups; the seconds are taken as recorded
+                audit.compare(f"steps[{index}].generation_rounds", recorded_rounds, rounds)
         except (ValueError, KeyError, TypeError) as error:
             audit.mismatch(f"trajectories.jsonl step {step.get('step')!r} ({error})")
     # Contract: re-check every step's groups against that step's recorded policy version.

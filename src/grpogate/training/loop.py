@@ -23,6 +23,7 @@ from rich.markup import escape
 
 from grpogate.config import RunConfig
 from grpogate.evidence import decisions
+from grpogate.evidence.metrics import rollout_summary
 from grpogate.evidence.assemble import rollout_seed, step_summary
 from grpogate.files import JsonlLog
 from grpogate.inputs.policy import Policy, current_version, reference_mode, sampling_weights
@@ -183,12 +184,9 @@ def _generation_round(loop: Loop, state: LoopState, step: int, generation_round:
                                  step=step, policy_version=rollout.version,
                                  verifier_version=loop.verifier.version,
                                  reward_set=loop.reward_set, generation_round=generation_round)
-    totals = [record["reward"] for record in records]
-    size = config.group_size
-    valid = sum(max(totals[g:g + size]) > min(totals[g:g + size])
-                for g in range(0, len(totals), size))
+    valid = rollout_summary(records, config.group_size)["valid_group_count"]
     rollout.completions += completions
-    rollout.rewards += totals
+    rollout.rewards += [record["reward"] for record in records]
     rollout.components += [[values[name] for name in loop.reward_set.weights]
                            for values in components]
     rollout.records += records
