@@ -19,12 +19,12 @@ import json
 import struct
 from pathlib import Path
 
-from grpogate.evidence import metrics
-from grpogate.evidence.assemble import assemble_evidence
+from grpogate.evidence.assemble import assemble_evidence, step_summary
 from grpogate.evidence.manifest import build_manifest
 from grpogate.config import Gates, RunConfig, TaskConfig, validate
 from grpogate.files import (atomic_write_bytes, atomic_write_json, jsonl_bytes, policy_version,
                             safetensors_sha256)
+from grpogate.inputs.rewards import reward_set_from_config
 from grpogate.inputs.verifiers import get_verifier
 
 TRAIN_QUESTIONS = [("Ann has 3 apples and buys 4 more. How many?", 7),
@@ -88,6 +88,7 @@ def write_synthetic_run(root: Path, **gates) -> Path:
         gates=dataclasses.replace(Gates(), **gates)))
     train, train_id, eval_set, eval_id = load_problem_sets(config)
     verifier = get_verifier(config.resolved_verifier())
+    reward_set = reward_set_from_config(config.to_dict(), verifier.version)
     answers = {q: a for q, a in TRAIN_QUESTIONS + EVAL_QUESTIONS}
     run_dir.mkdir()
 
@@ -100,22 +101,26 @@ def write_synthetic_run(root: Path, **gates) -> Path:
             problem = train[index]
             for sample, correct in enumerate(TRAIN_REWARDS[index]):
                 text, tokens, hit = _completion(answers[problem.question], correct, sample)
+                reward = verifier.score(text, problem.reference)
                 records.append({
-                    "step": step, "prompt_id": problem.prompt_id, "sample_index": sample,
+                    "step": step, "round": 0, "prompt_id": problem.prompt_id,
+                    "sample_index": sample,
                     "trace_id": _version(f"train|{step}|{problem.prompt_id}|{sample}")[:24],
                     "source_policy_version": version, "verifier_version": verifier.version,
+                    "reward_versions": dict(reward_set.versions),
                     "completion": text, "completion_tokens": tokens, "hit_max_length": hit,
-                    "reward": verifier.score(text, problem.reference)})
-        summary = metrics.rollout_summary(records, config.group_size)
-        generated = sum(r["completion_tokens"] for r in records)
+                    "rewards": {"correctness": reward}, "reward": reward})
+        summary = step_summary(records, config.group_size)
+        generated = summary["generated_tokens"]
         steps.append({
-            "step": step, "policy_version": version, "mean_reward": summary["mean_reward"],
-            "group_count": summary["group_count"], "valid_group_count": summary["valid_group_count"],
-            "valid_group_ratio": summary["valid_group_ratio"],
-            "max_length_hit_ratio": summary["max_length_hit_ratio"], "generated_tokens": generated,
+            "step": step, "policy_version": version, **summary,
+            "generation_rounds": [{"round": 0, "seed": config.seed + step, "prompts": 2,
+                                   "valid_groups": summary["valid_group_count"],
+                                   "generation_seconds": 1.0, "verification_seconds": 0.01}],
+            "refill_generation_seconds": 0.0,
             "generation_tokens_per_second": generated / 1.0, "rollout_seconds": 1.0,
             "verification_seconds": 0.01, "update_seconds": 0.5, "update_count": 1,
-            "sequences": 4, "tokens": 30 + step, "loss": [0.1], "grad_norm": [0.5 + step],
+            "sequences": 4, "masked_truncated_sequences": 0, "tokens": 30 + step, "loss": [0.1], "grad_norm": [0.5 + step],
             "mean_kl": 0.001 * (step + 1), "clip_fraction": 0.01 * step})
         trajectories += records
     atomic_write_bytes(run_dir / "trajectories.jsonl", jsonl_bytes(trajectories))
@@ -154,9 +159,10 @@ def write_synthetic_run(root: Path, **gates) -> Path:
             "baseline_adapter": None, "baseline_manifest": None,
             "baseline_policy_version": baseline_version,
             "verifier": {"name": config.resolved_verifier(), "version": verifier.version},
+            "rewards": reward_set.describe(),
             "train_set": train_id, "eval_set": eval_id},
         "contract": {"admitted": True, "failed_checks": []}, "seconds": seconds,
-        "verifier_errors": verifier.error_count, "retest_verifier_errors": 0,
+        "verifier_errors": verifier.error_count, "reward_errors": 0, "retest_verifier_errors": 0,
         "retest_skipped": False, "micro_batch_size": config.micro_batch_size, "oom_retries": 0,
         "resources": {"device": "cpu", "peak_allocated_bytes": 10**9, "peak_reserved_bytes": 10**9,
                       "peak_rss_bytes": 10**9},

@@ -9,6 +9,8 @@ from typer.testing import CliRunner
 
 from grpogate.evidence import decisions
 from grpogate.evidence import metrics
+from grpogate.evidence.assemble import (dynamic_sampling_section, generation_rounds,
+                                       step_summary)
 from grpogate.evidence.audit import audit_run, same_value
 from grpogate.cli import app
 from grpogate.errors import InputError
@@ -69,9 +71,13 @@ def test_forgery_with_consistent_hashes_is_caught_by_the_verifier(run_dir):
     trajectories = read_jsonl(path)
     evidence = json.loads((run_dir / "evidence.json").read_text())
     evidence["rollout"].update(metrics.rollout_summary(trajectories, 4))
-    step = metrics.rollout_summary([r for r in trajectories if r["step"] == 0], 4)
-    evidence["steps"][0].update({k: step[k] for k in ("mean_reward", "valid_group_count",
-                                                      "valid_group_ratio")})
+    step_records = [r for r in trajectories if r["step"] == 0]
+    evidence["steps"][0].update(step_summary(step_records, 4))
+    for recorded, rebuilt in zip(evidence["steps"][0]["generation_rounds"],
+                                 generation_rounds(step_records, 4, evidence["config"]["seed"], 0)):
+        recorded.update(rebuilt)
+    evidence["rollout"]["dynamic_sampling"] = dynamic_sampling_section(evidence["config"],
+                                                                       evidence["steps"])
     gates = evidence["config"]["gates"]
     candidate = decisions.evaluate_grpo_candidate(evidence, gates)
     for key in ("valid_group_ratio", "effective_trajectory_count",
@@ -242,3 +248,18 @@ def test_decide_on_a_malformed_run_directory_is_one_error_line(run_dir, damage, 
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_a_tampered_reward_component_or_its_version_is_named(run_dir):
+    """The audit re-scores every component with the run's reward functions: a component
+    changed in a record, or a component version changed, is named even when the total and
+    every summary still agree."""
+    path = run_dir / "trajectories.jsonl"
+    record = json.loads(path.read_text().splitlines()[2])
+    rewrite_line(path, 3, rewards={"correctness": 1.0 - record["rewards"]["correctness"]},
+                 reward=record["reward"])
+    rewrite_line(path, 4, reward_versions={"correctness": "gsm8k-final-number-v0"})
+    found = fields(audit_run(run_dir))
+    assert "trajectories.jsonl:3 rewards.correctness" in found
+    assert "trajectories.jsonl:3 reward" not in found  # the total itself was left as scored
+    assert "contract.admitted" in found  # line 4's component version breaks its step contract

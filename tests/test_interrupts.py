@@ -82,7 +82,7 @@ def test_a_signal_during_a_rollout_stops_before_its_update(tiny_model_dir, tmp_p
     assert decisions.decide_run(recorded, evidence["config"]["gates"]) == evidence["decision"]
     # `grpogate decide` re-checks it from the files (training rewards aside: patched here).
     mismatches = [m["field"] for m in audit_run(out)["mismatches"]
-                  if not re.fullmatch(r"trajectories\.jsonl:\d+ reward", m["field"])]
+                  if not re.fullmatch(r"trajectories\.jsonl:\d+ rewards?(\.correctness)?", m["field"])]
     assert mismatches == []
 
 

@@ -1,9 +1,9 @@
 """Kill a real `grpogate run` with SIGKILL at a random moment, resume it, get the same run.
 
 The runs are subprocesses of the CLI on the tiny random Llama (CPU, one torch thread, fixed
-seed). As in test_pipeline, the training-time verifier is replaced by a fixed reward pattern
-(even samples 1, odd 0) so that every step makes real optimizer updates; the re-test uses the
-real verifier. The moment of the kill is drawn from a seed printed on failure; set
+seed), with dynamic sampling on. As in test_pipeline, the training-time verifier is replaced by a
+fixed reward pattern (even samples 1, odd 0, on about half the prompts) so that steps refill and
+make real optimizer updates; the re-test uses the real verifier. The moment of the kill is drawn from a seed printed on failure; set
 GRPOGATE_KILL_SEED to replay one.
 """
 
@@ -34,8 +34,11 @@ import sys
 import torch
 torch.set_num_threads(1)
 from grpogate.training import loop as training
+# About half the prompts (by their id's first hex digit) get a valid group, so dynamic sampling
+# refills most steps: the resumed run must continue at the checkpointed prompt cursor.
 training.score_completions = lambda completions, problems, verifier: [
-    1.0 if c.sample_index % 2 == 0 else 0.0 for c in completions]
+    1.0 if c.sample_index % 2 == 0 and problems[c.prompt_index].prompt_id[0] in "01234567"
+    else 0.0 for c in completions]
 from grpogate.cli import app
 app(sys.argv[1:], prog_name="grpogate")
 """
@@ -43,7 +46,7 @@ STEPS = 6
 SETTINGS = {"train_prompts": 2 * STEPS, "prompts_per_step": 2, "eval_prompts": 4,
             "group_size": 4, "eval_group_size": 2, "max_new_tokens": 8, "lora_r": 4,
             "generation_batch_size": 16, "micro_batch_size": 8, "device": "cpu",
-            "dtype": "float32", "seed": 7,
+            "dtype": "float32", "seed": 7, "dynamic_sampling": True, "max_generation_rounds": 3,
             # Wall-clock throughput differs between any two runs: keep it out of the decision.
             "gates.minimum_effective_trajectories_per_second": 0.0}
 
@@ -145,7 +148,8 @@ def test_a_run_killed_at_a_random_moment_resumes_to_the_same_result(tiny_model_d
     assert process.returncode == -signal.SIGKILL, where
     assert not (killed / "manifest.json").exists(), f"{where}: the run finished every time"
     state = json.loads((killed / "checkpoints" / checkpoints(killed)[-1] / "state.json").read_text())
-    where += f" (last checkpoint: next step {state['next_step']})"
+    where += (f" (last checkpoint: next step {state['next_step']}, "
+              f"prompt cursor {state['next_prompt']})")
     print(where)  # shown with -s and in the report of a failure
     # A kill in the middle of an append leaves a torn line after the checkpoint's offset; make
     # sure there is one, so that the truncation is exercised whatever the moment was.
@@ -174,6 +178,7 @@ def test_a_run_killed_at_a_random_moment_resumes_to_the_same_result(tiny_model_d
     evidence = {run: json.loads((run / "evidence.json").read_text()) for run in (reference, killed)}
     assert evidence[reference]["status"] == "ok"
     assert evidence[reference]["update"]["update_count"] == STEPS  # real updates every step
+    assert evidence[reference]["rollout"]["dynamic_sampling"]["refill_prompts"] > 0
     assert strip_volatile(evidence[killed]) == strip_volatile(evidence[reference]), where
     assert evidence[killed]["resumes"][0]["from_step"] == state["next_step"]
     assert evidence[reference]["resumes"] == []
@@ -187,7 +192,8 @@ def test_a_run_killed_at_a_random_moment_resumes_to_the_same_result(tiny_model_d
     assert not (killed / "checkpoints").exists()
     assert not [p.name for p in killed.iterdir() if p.name.startswith(".")]
     mismatches = [m["field"] for m in audit_run(killed)["mismatches"]
-                  if not re.fullmatch(r"trajectories\.jsonl:\d+ reward", m["field"])]
+                  if not re.fullmatch(r"trajectories\.jsonl:\d+ rewards?(\.correctness)?",
+                                      m["field"])]
     assert mismatches == [], where
 
     # 6. A complete run cannot be resumed.

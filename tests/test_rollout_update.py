@@ -15,9 +15,11 @@ from grpogate.sampling.rollout import (
     encode_prompts,
     generate_completions,
     score_completions,
+    score_rewards,
     trajectory_records,
 )
 from grpogate.inputs.tasks import Problem, prompt_id
+from grpogate.inputs.rewards import build_reward_set, format_reward
 from grpogate.training.advantages import UpdateBatch, build_update_batch
 from grpogate.training.update import NonFiniteUpdate, UpdateSettings, grpo_update
 from reference_logprobs import completion_logprobs, pack_sequences
@@ -127,25 +129,42 @@ def test_trajectory_records_carry_every_identity(policy, prompts):
     verifier = get_verifier("reasoning-gym/chain_sum")
     rewards = score_completions(completions, problems(), verifier)
     rewards[1] = 1.0  # a value the tiny model cannot earn, to see it carried through
-    records = trajectory_records(completions, rewards, problems(), run_id="run-a", step=3,
-                                 policy_version="p" * 64, verifier_version=verifier.version)
+    reward_set = build_reward_set(
+        [{"name": "correctness", "weight": 1.0}, {"name": "format", "weight": 0.5},
+         {"name": "overlong", "weight": 2.0}], verifier.version, max_new_tokens=8,
+        overlong_buffer_len=4, overlong_penalty_factor=1.0, user_time_limit_seconds=1.0)
+    components = score_rewards(completions, problems(), reward_set, rewards)
+    records = trajectory_records(completions, components, problems(), run_id="run-a", step=3,
+                                 policy_version="p" * 64, verifier_version=verifier.version,
+                                 reward_set=reward_set, generation_round=1)
     assert len(records) == len(prompts) * G
     for record, completion, reward in zip(records, completions, rewards):
-        assert set(record) == {"step", "prompt_id", "sample_index", "trace_id",
-                               "source_policy_version", "verifier_version", "completion",
-                               "completion_tokens", "hit_max_length", "reward"}
-        assert record["step"] == 3
+        assert set(record) == {"step", "round", "prompt_id", "sample_index", "trace_id",
+                               "source_policy_version", "verifier_version", "reward_versions",
+                               "completion", "completion_tokens", "hit_max_length", "rewards",
+                               "reward"}
+        assert record["step"] == 3 and record["round"] == 1
         assert record["prompt_id"] == problems()[completion.prompt_index].prompt_id
         assert record["sample_index"] == completion.sample_index
         assert record["source_policy_version"] == "p" * 64
         assert record["verifier_version"] == verifier.version
+        assert record["reward_versions"]["correctness"] == verifier.version
+        assert set(record["reward_versions"]) == {"correctness", "format", "overlong"}
         assert record["completion"] == completion.text
         assert record["completion_tokens"] == len(completion.completion_token_ids)
         assert record["hit_max_length"] is completion.hit_max_length
-        assert isinstance(record["reward"], float) and record["reward"] == reward
+        tokens = record["completion_tokens"]
+        # overlong: 0 up to 8 - 4 = 4 tokens, then (4 - tokens) / 4
+        overlong = 0.0 if tokens <= 4 else (4 - tokens) / 4
+        formatted = format_reward(completion.text)
+        assert record["rewards"] == {"correctness": reward, "format": formatted,
+                                     "overlong": overlong}
+        assert record["reward"] == pytest.approx(reward + 0.5 * formatted + 2.0 * overlong)
+    assert rewards[1] == 1.0 and records[1]["rewards"]["correctness"] == 1.0
     assert len({r["trace_id"] for r in records}) == len(records)
-    other_step = trajectory_records(completions, rewards, problems(), run_id="run-a", step=4,
-                                    policy_version="p" * 64, verifier_version=verifier.version)
+    other_step = trajectory_records(completions, components, problems(), run_id="run-a", step=4,
+                                    policy_version="p" * 64, verifier_version=verifier.version,
+                                    reward_set=reward_set)
     assert not {r["trace_id"] for r in records} & {r["trace_id"] for r in other_step}
 
 
@@ -367,3 +386,81 @@ def test_sampling_leaves_the_callers_float32_logits_untouched():
     before = logits.clone()
     _sample(logits, 0.7, 0.9, torch.Generator().manual_seed(0))
     assert torch.equal(logits, before)
+
+
+def test_masked_truncated_completion_adds_no_loss(policy, prompts):
+    """Row 1 masked (mask_truncated_completions) must equal row 1 carrying zero loss, with the
+    sequence_mean denominator counting the 3 contributing sequences instead of 4: with kl 0,
+    an advantage of 0 gives row 1 zero loss, so grad(masked) = 4/3 x grad(advantage 0)."""
+    parameters = list(trainable_parameters(policy).values())
+
+    def gradients(batch):
+        optimizer = torch.optim.AdamW(parameters, lr=0.0)  # grads stay; parameters do not move
+        record = grpo_update(policy.model, optimizer, batch,
+                             update_settings(kl_coef=0.0, max_grad_norm=1e9), EOS,
+                             lambda: reference_mode(policy), parameters)
+        return record, [p.grad.clone() for p in parameters]
+
+    masked = hand_batch(prompts)
+    masked.contributes = [True, False, True, True]
+    zero_advantage = hand_batch(prompts)
+    zero_advantage.advantages[1] = 0.0
+    record, masked_grads = gradients(masked)
+    _, zero_grads = gradients(zero_advantage)
+    assert record.masked_sequences == 1 and record.summary()["masked_truncated_sequences"] == 1
+    assert record.tokens == 4 + 2 + 4  # row 1's 6 tokens are out of the loss
+    assert any(g.abs().sum() > 0 for g in masked_grads)
+    for got, reference in zip(masked_grads, zero_grads):
+        assert torch.allclose(got, reference * 4 / 3, atol=1e-6, rtol=1e-4)
+
+
+def test_top_k_and_min_p_truncate_and_the_logprob_is_the_truncated_distributions():
+    from grpogate.sampling.rollout import _sample
+
+    # Unsorted on purpose, so the sort-and-gather back to vocabulary ids is exercised.
+    probs = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])
+    logits = torch.log(probs).expand(20_000, -1)
+    generator = torch.Generator().manual_seed(3)
+
+    def frequencies(**knobs):
+        tokens, logp = _sample(logits, 1.0, knobs.pop("top_p", 1.0), generator,
+                               with_logprobs=True, **knobs)
+        return torch.bincount(tokens, minlength=5).double() / 20_000, tokens, logp
+
+    # top_k 2: ids 1 (0.4) and 3 (0.3) only, renormalized 4/7 and 3/7; log p = log(p / 0.7).
+    counts, tokens, logp = frequencies(top_k=2)
+    assert counts[[0, 2, 4]].sum() == 0
+    assert counts[1].item() == pytest.approx(4 / 7, abs=0.014)
+    assert torch.allclose(logp, torch.log(probs[tokens] / 0.7), atol=1e-6)
+    # min_p 0.3: keep p >= 0.3 x 0.4 = 0.12: ids 1, 3, 4 (0.15), mass 0.85.
+    counts, tokens, logp = frequencies(min_p=0.3)
+    assert counts[[0, 2]].sum() == 0
+    assert counts[4].item() == pytest.approx(0.15 / 0.85, abs=0.014)
+    assert torch.allclose(logp, torch.log(probs[tokens] / 0.85), atol=1e-6)
+    # top_k 3 (ids 1, 3, 4: mass 0.85), then top_p 0.5 of that: 0.4 / 0.85 = 0.47 < 0.5, adding
+    # 0.3 / 0.85 crosses it -> {1, 3}; then min_p 0.8 (p >= 0.32) leaves id 1 alone: log p = 0.
+    counts, tokens, logp = frequencies(top_k=3, top_p=0.5, min_p=0.8)
+    assert counts[1].item() == 1.0 and torch.allclose(logp, torch.zeros(20_000), atol=1e-6)
+    # Nothing truncated: the full distribution's log-prob, log p.
+    counts, tokens, logp = frequencies()
+    assert torch.allclose(logp, torch.log(probs[tokens]), atol=1e-6)
+
+
+def test_a_truncating_sampler_is_the_ratios_old_policy(policy, prompts, monkeypatch):
+    seen = []
+    real_terms = objectives.grpo_token_terms
+
+    def spy(logp, old_logp, *args):
+        seen.append((logp.detach().clone(), old_logp.detach().clone()))
+        return real_terms(logp, old_logp, *args)
+
+    monkeypatch.setattr(objectives, "grpo_token_terms", spy)
+    batch = hand_batch(prompts)
+    # The sampler's log-probs under a truncated distribution are higher than the full ones:
+    # here every token's is log 0.5, far from what the random model gives.
+    batch.old_logprobs = [[math.log(0.5)] * len(c) for c in batch.completion_token_ids]
+    run_update(policy, batch, micro_batch_size=8)
+    logp, old = seen[0]
+    mask = old != logp  # padded positions keep the detached current value (ratio 1)
+    assert mask.sum() == 4 + 6 + 2 + 4
+    assert torch.allclose(old[mask], torch.full((16,), math.log(0.5)))

@@ -148,10 +148,16 @@ def run(
         console.print("re-test skipped: the run stopped before it")
     else:
         console.print(
-            f"re-test mean reward {comparison['baseline']['mean_reward']:.4f} -> "
+            f"re-test (correctness verifier alone) mean reward "
+            f"{comparison['baseline']['mean_reward']:.4f} -> "
             f"{comparison['candidate']['mean_reward']:.4f}, pass@group "
             f"{comparison['baseline']['pass_at_group']:.4f} -> "
             f"{comparison['candidate']['pass_at_group']:.4f}")
+    dynamic = evidence["rollout"].get("dynamic_sampling") or {}
+    if dynamic.get("enabled"):
+        console.print(f"dynamic sampling: {dynamic['prompts_drawn']} prompts drawn, "
+                      f"{dynamic['groups_kept']} groups kept, {dynamic['refill_prompts']} refill "
+                      f"prompts costing {dynamic['refill_generation_seconds']:.1f} s of generation")
     style = DECISION_STYLE[decision["decision"]]
     failed = ", ".join(decision["failed_checks"]) or "none"
     console.print(f"decision: [{style}]{decision['decision']}[/] (failed checks: {failed})")

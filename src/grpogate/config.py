@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -98,7 +99,21 @@ class RunConfig:
     max_new_tokens: int = 48
     temperature: float = 0.7
     top_p: float = 1.0
+    top_k: int = 0  # keep the k most likely tokens; 0: off
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0: off
     generation_batch_size: int = 64
+    # DAPO dynamic sampling: while a step has fewer valid groups than prompts_per_step, draw
+    # the shortfall of new train prompts, up to max_generation_rounds rounds of generation.
+    dynamic_sampling: bool = False
+    max_generation_rounds: int = 3
+
+    # Rewards: [{name, weight}, ...] of "correctness", "format", "overlong" or "module:function";
+    # empty: correctness alone. The decision reads correctness alone whatever is trained on.
+    rewards: list = field(default_factory=list)
+    multi_objective_aggregation: str = "sum_then_normalize"  # or "normalize_then_sum" (GDPO)
+    overlong_buffer_len: int = 16  # DAPO soft overlong punishment: the last N tokens of the budget
+    overlong_penalty_factor: float = 1.0
+    reward_time_limit_seconds: float = 1.0  # per call of a user `module:function` reward
 
     # Update
     lora_r: int = 16
@@ -113,6 +128,8 @@ class RunConfig:
     groups_per_update: int = 0  # valid groups per optimizer step; 0 -> all valid groups of a step
     micro_batch_size: int = 16  # sequences per forward/backward
     loss_aggregation: str = "sequence_mean"  # DeepSeekMath: token mean per sequence, then mean
+    # Completions that hit max_new_tokens add no loss (their group's advantages still count them).
+    mask_truncated_completions: bool = False
 
     seed: int = 42
     # Directory for TensorBoard event files of the per-step scalars; empty: none written.
@@ -145,6 +162,42 @@ def step_count(train_prompts: int, prompts_per_step: int) -> int:
 
 
 LOSS_AGGREGATIONS = ("sequence_mean", "token_mean")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+BUILT_IN_REWARDS = ("correctness", "format", "overlong")  # inputs/rewards.py implements them
+USER_REWARD_PATH = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
+
+
+def _validate_rewards(config: RunConfig, need) -> None:
+    """Each entry {name, weight}: a built-in name or `module:function`, a finite weight, names
+    unique; the overlong punishment needs a buffer inside the token budget."""
+    fix = ('write rewards = [{name = "correctness", weight = 1.0}, {name = "format", '
+           'weight = 0.5}]')
+    names = []
+    for index, entry in enumerate(config.rewards):
+        where = f"rewards[{index}]"
+        need(isinstance(entry, dict) and set(entry) <= {"name", "weight"} and "name" in entry,
+             f"{where} must be a table with keys name and weight (got {entry!r}); {fix}")
+        name, weight = entry["name"], entry.get("weight", 1.0)
+        need(isinstance(name, str) and (name in BUILT_IN_REWARDS or bool(USER_REWARD_PATH.fullmatch(name))),
+             f"{where}.name {name!r} is neither one of {BUILT_IN_REWARDS} nor a "
+             "'module:function' path")
+        need(isinstance(weight, (int, float)) and not isinstance(weight, bool)
+             and math.isfinite(weight), f"{where}.weight must be a finite number (got {weight!r})")
+        need(name not in names, f"{where}.name {name!r} appears twice")
+        names.append(name)
+        entry.setdefault("weight", 1.0)
+        entry["weight"] = float(entry["weight"])
+    need(config.multi_objective_aggregation in MULTI_OBJECTIVE_AGGREGATIONS,
+         f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS} "
+         f"(got {config.multi_objective_aggregation!r})")
+    if "overlong" in names:
+        need(0 < config.overlong_buffer_len <= config.max_new_tokens,
+             f"overlong_buffer_len must be in [1, max_new_tokens={config.max_new_tokens}] "
+             f"(got {config.overlong_buffer_len})")
+    need(math.isfinite(config.overlong_penalty_factor) and config.overlong_penalty_factor >= 0,
+         "overlong_penalty_factor must be a finite number >= 0")
+    need(math.isfinite(config.reward_time_limit_seconds) and config.reward_time_limit_seconds > 0,
+         "reward_time_limit_seconds must be a finite number > 0")
 SEED_LIMIT = 2**32
 
 
@@ -182,6 +235,12 @@ def validate(config: RunConfig) -> RunConfig:
          "max_new_tokens must be >= 1 and max_prompt_tokens >= 8")
     need(config.temperature > 0, "temperature must be > 0 (GRPO samples; greedy groups have no variance)")
     need(0 < config.top_p <= 1, "top_p must be in (0, 1]")
+    need(config.top_k >= 0, f"top_k must be >= 0 (0 = off; got {config.top_k})")
+    need(math.isfinite(config.min_p) and 0 <= config.min_p < 1,
+         f"min_p must be in [0, 1) (0 = off; got {config.min_p})")
+    need(config.max_generation_rounds >= 1,
+         f"max_generation_rounds must be >= 1 (got {config.max_generation_rounds})")
+    _validate_rewards(config, need)
     need(config.generation_batch_size >= 1 and config.micro_batch_size >= 1,
          "generation_batch_size and micro_batch_size must be >= 1")
     need(config.groups_per_update >= 0, "groups_per_update must be >= 0 (0 = all valid groups)")
@@ -315,6 +374,8 @@ def _coerce(current: Any, value: Any, where: str) -> Any:
         return str(value)
     elif isinstance(current, dict) and isinstance(value, dict):
         return dict(value)
+    elif isinstance(current, list) and isinstance(value, list):
+        return [dict(item) if isinstance(item, dict) else item for item in value]
     raise InputError(f"{where}: expected {type(current).__name__}, got {value!r}")
 
 

@@ -40,6 +40,7 @@ from grpogate.inputs.budget import check_output_writable
 from grpogate.inputs.policy import (Policy, check_adapter_dir, current_version, default_cache_dir,
                                     load_policy, resolve_base_model, save_adapter,
                                     trainable_parameters)
+from grpogate.inputs.rewards import RewardSet, reward_set_from_config
 from grpogate.inputs.tasks import Problem
 from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import RunInterrupted, StopRequest, stop_on_signals
@@ -73,6 +74,7 @@ class Admission:
     model_revision: str
     adapter: str
     verifier: object
+    reward_set: RewardSet
     train: list[Problem]
     eval: list[Problem]
     train_identity: dict
@@ -119,8 +121,12 @@ def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:
         verifier = get_verifier(config.resolved_verifier())
     except ValueError as error:
         raise InputError(f"verifier: {error}") from None
-    return Admission(config, run_dir, model_spec, revision, adapter, verifier, train, eval_set,
-                     train_id, eval_id, baseline_version)
+    try:
+        reward_set = reward_set_from_config(config.to_dict(), verifier.version)
+    except ValueError as error:
+        raise InputError(f"config: rewards: {error}") from None
+    return Admission(config, run_dir, model_spec, revision, adapter, verifier, reward_set, train,
+                     eval_set, train_id, eval_id, baseline_version)
 
 
 def dry_run(config: RunConfig) -> dict:
@@ -135,8 +141,8 @@ def dry_run(config: RunConfig) -> dict:
         base = source.identity()
         estimate = dry_run_checks(admission, source)
     return {"run_dir": str(admission.run_dir), "model": base, "adapter": admission.adapter or None,
-            "memory_estimate_bytes": estimate,
-            "verifier": admission.verifier.version, "train_prompts": len(admission.train),
+            "memory_estimate_bytes": estimate, "verifier": admission.verifier.version,
+            "rewards": admission.reward_set.describe(), "train_prompts": len(admission.train),
             "eval_prompts": len(admission.eval), "steps": config.steps,
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "libraries": library_versions()}
@@ -170,7 +176,8 @@ def deliver_adapter(policy: Policy, run_dir: Path) -> str:
 def input_identity(admission: Admission, policy: Policy) -> dict:
     """What a resumed run must find unchanged: problem sets, verifier, base model, baseline."""
     return {"train_set": admission.train_identity, "eval_set": admission.eval_identity,
-            "verifier_version": admission.verifier.version, "model_sha256": policy.base.sha256,
+            "verifier_version": admission.verifier.version,
+            "reward_versions": admission.reward_set.versions, "model_sha256": policy.base.sha256,
             "baseline_policy_version": policy.baseline_version}
 
 
@@ -298,7 +305,7 @@ def train_policy(admission: Admission, prepared: Prepared, opened: OpenRun, repo
                  stop: StopRequest) -> None:
     """The rollout / update loop, with per-step scalars to TensorBoard when asked."""
     config = admission.config
-    loop = Loop(prepared.policy, config, admission.verifier, admission.train,
+    loop = Loop(prepared.policy, config, admission.verifier, admission.reward_set, admission.train,
                 prepared.train_prompts, opened.log, reporter, opened.run_label,
                 prepared.optimizer, stop, opened.checkpoints)
     # A resumed run opens a new events file in the same directory; TensorBoard merges them.
@@ -347,10 +354,13 @@ def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds
             "baseline_manifest": config.baseline_manifest or None,
             "baseline_policy_version": policy.baseline_version,
             "verifier": {"name": config.resolved_verifier(), "version": admission.verifier.version},
+            # What training rewards are made of; the decision reads the verifier alone.
+            "rewards": admission.reward_set.describe(),
             "train_set": admission.train_identity, "eval_set": admission.eval_identity,
         },
         "contract": state.contract, "seconds": seconds,
-        "verifier_errors": state.verifier_errors, "retest_verifier_errors": retested[1],
+        "verifier_errors": state.verifier_errors, "reward_errors": state.reward_errors,
+        "retest_verifier_errors": retested[1],
         "retest_skipped": retested[2], "micro_batch_size": state.micro_batch_size,
         "oom_retries": state.oom_retries, "resources": peak_memory(policy.device),
         "artifact": {"path": "adapter", "sha256": adapter_sha if on_disk == adapter_sha else "",

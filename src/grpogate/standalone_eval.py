@@ -28,7 +28,8 @@ EVAL_FILE_KIND = "grpogate-eval"
 EVAL_FILE_VERSION = 1
 POLICY_NAME = "policy"  # the `policy` field of every record in an eval file
 # Sampling settings that change what a policy can answer; a difference is reported, not refused.
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "max_prompt_tokens", "system_prompt")
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "max_prompt_tokens",
+                 "system_prompt")
 
 
 def parse_policy_spec(spec: str) -> tuple[str, str]:
@@ -98,7 +99,8 @@ def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, advance=
         "seed": seed,
         "group_size": config.eval_group_size,
         "sampling": {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
-                     "top_p": config.top_p, "max_prompt_tokens": config.max_prompt_tokens,
+                     "top_p": config.top_p, "top_k": config.top_k, "min_p": config.min_p,
+                     "max_prompt_tokens": config.max_prompt_tokens,
                      "system_prompt": config.resolved_system_prompt(),
                      "generation_batch_size": config.generation_batch_size},
         "config": config.to_dict(),

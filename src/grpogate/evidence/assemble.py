@@ -20,15 +20,17 @@ EVIDENCE_VERSION = 1
 EVAL_SEED_OFFSET = 10_000  # the re-test samples with seed = run seed + 10,000
 BOOTSTRAP_RESAMPLES = 2000
 CONFIDENCE = 0.95
+REFILL_SEED_OFFSET = 1_000_000  # refill round r >= 1 of step s samples with seed + s + r x this
 # The per-step fields recomputable from that step's trajectory records.
 STEP_FIELDS = ("mean_reward", "group_count", "valid_group_count", "valid_group_ratio",
-               "max_length_hit_ratio", "generated_tokens")
+               "max_length_hit_ratio", "generated_tokens", "reward_component_means",
+               "prompts_drawn", "groups_generated", "groups_kept", "refill_prompts")
 
 
 def library_versions() -> dict:
     versions = {"python": platform.python_version(), "platform": platform.platform()}
     for package in ("grpogate", "torch", "transformers", "peft", "safetensors", "gguf",
-                    "reasoning-gym", "numpy"):
+                    "reasoning-gym", "numpy", "math-verify"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
@@ -36,25 +38,94 @@ def library_versions() -> dict:
     return versions
 
 
+def rollout_seed(run_seed: int, step: int, generation_round: int = 0) -> int:
+    """Step s samples with run seed + s; its dynamic-sampling refill round r with
+    run seed + s + r x 1,000,000, so no two rounds of a run share a seed."""
+    return run_seed + step + REFILL_SEED_OFFSET * generation_round
+
+
 def seeds(config: dict) -> dict:
     """Step s samples with run seed + s, the re-test with run seed + 10,000 (both policies)."""
     seed, steps = config["seed"], step_count(config["train_prompts"], config["prompts_per_step"])
-    return {"run": seed, "rollout": [seed + s for s in range(steps)],
+    return {"run": seed, "rollout": [rollout_seed(seed, s) for s in range(steps)],
+            "refill": f"run seed + step + {REFILL_SEED_OFFSET:,} x round (round >= 1)",
             "eval": seed + EVAL_SEED_OFFSET, "bootstrap": seed}
 
 
-def step_summary(records: list[dict], group_size: int) -> dict:
-    """One step's STEP_FIELDS from its trajectory records (the loop records, the audit checks)."""
+def _kept(group: list[dict], mask_truncated: bool) -> bool:
+    """A group enters the update when its rewards differ and, with truncated completions
+    masked, at least one member still adds loss (`advantages.build_update_batch`)."""
+    rewards = [float(r["reward"]) for r in group]
+    return max(rewards) > min(rewards) and (
+        not mask_truncated or not all(r["hit_max_length"] for r in group))
+
+
+def step_summary(records: list[dict], group_size: int, mask_truncated: bool = False) -> dict:
+    """One step's STEP_FIELDS from its trajectory records (the loop records, the audit checks):
+    coverage, per-component means and, for dynamic sampling, what every round drew and kept."""
     summary = metrics.rollout_summary(records, group_size)
     summary["generated_tokens"] = sum(int(r["completion_tokens"]) for r in records)
+    summary["reward_component_means"] = metrics.component_means(records)
+    groups: dict[str, list[dict]] = {}
+    for record in records:
+        groups.setdefault(str(record["prompt_id"]), []).append(record)
+    summary["prompts_drawn"] = summary["groups_generated"] = len(groups)
+    summary["groups_kept"] = sum(len(g) == group_size and _kept(g, mask_truncated)
+                                 for g in groups.values())
+    summary["refill_prompts"] = sum(int(g[0].get("round", 0)) > 0 for g in groups.values())
     return {key: summary[key] for key in STEP_FIELDS}
 
 
-def rollout_section(trajectories: list[dict], steps: list[dict], seconds: dict, group_size: int,
-                    verifier_errors: int) -> dict:
+def sampling_section(config: dict) -> dict:
+    """The rollout's sampling settings, and which distribution the update's ratio divides by."""
+    settings = {key: config.get(key, default) for key, default in
+                (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))}
+    truncated = settings["top_p"] < 1.0 or settings["top_k"] > 0 or settings["min_p"] > 0.0
+    return {**settings, "truncated": truncated,
+            "ratio_old_logprobs": (
+                "sampler: the truncated, renormalized distribution the tokens were drawn from"
+                if truncated else "the full softmax(logits / temperature) of the rollout policy")}
+
+
+def generation_rounds(records: list[dict], group_size: int, run_seed: int, step: int) -> list[dict]:
+    """One step's rounds as its records show them: round, seed, prompts, valid groups (the
+    loop records these plus seconds; the audit recomputes them)."""
+    rounds = sorted({int(r.get("round", 0)) for r in records})
+    summary = []
+    for number in rounds:
+        members = [r for r in records if int(r.get("round", 0)) == number]
+        coverage = metrics.rollout_summary(members, group_size)
+        summary.append({"round": number, "seed": rollout_seed(run_seed, step, number),
+                        "prompts": coverage["group_count"],
+                        "valid_groups": coverage["valid_group_count"]})
+    return summary
+
+
+def dynamic_sampling_section(config: dict, steps: list[dict]) -> dict:
+    """Totals of the per-step refill records: the refill's generation counts in the effective
+    throughput's denominator because it is part of the rollout seconds."""
+    return {"enabled": bool(config.get("dynamic_sampling", False)),
+            "max_generation_rounds": config.get("max_generation_rounds", 1),
+            **{key: sum(s.get(key, 0) for s in steps)
+               for key in ("prompts_drawn", "groups_generated", "groups_kept", "refill_prompts",
+                           "refill_generation_seconds")}}
+
+
+def rollout_section(trajectories: list[dict], steps: list[dict], seconds: dict, config: dict,
+                    verifier_errors: int, reward_errors: int) -> dict:
+    group_size = config["group_size"]
     summary = metrics.rollout_summary(trajectories, group_size)
     generated = sum(s["generated_tokens"] for s in steps)
-    return {"group_size": group_size, **summary, "rollout_seconds": seconds["rollout"],
+    return {"group_size": group_size, **summary,
+            # `reward` of a trajectory is the weighted total of these components; the decision
+            # reads only the re-test's correctness (comparison), never these.
+            "reward_component_means": metrics.component_means(trajectories),
+            "multi_objective_aggregation": config.get("multi_objective_aggregation",
+                                                      "sum_then_normalize"),
+            "reward_errors": reward_errors,
+            "dynamic_sampling": dynamic_sampling_section(config, steps),
+            "sampling": sampling_section(config),
+            "rollout_seconds": seconds["rollout"],
             "verification_seconds": seconds["verification"], "generated_tokens": generated,
             "generation_tokens_per_second": generated / seconds["rollout"] if seconds["rollout"] else 0.0,
             "decode_paths": sorted({s["decode_path"] for s in steps if "decode_path" in s}),
@@ -77,6 +148,9 @@ def update_section(config: dict, steps: list[dict], seconds: dict, micro_batch_s
         "learning_rate": config["learning_rate"], "optimizer": "AdamW",
         "max_grad_norm": config["max_grad_norm"], "loss_aggregation": config["loss_aggregation"],
         "trained_sequences": sum(s["sequences"] for s in steps), "trained_tokens": tokens,
+        # Forwarded with their group but adding no loss: they hit max_new_tokens.
+        "mask_truncated_completions": config.get("mask_truncated_completions", False),
+        "masked_truncated_sequences": sum(s.get("masked_truncated_sequences", 0) for s in steps),
         # An out-of-memory update is retried once at half the micro-batch, which then stays.
         "micro_batch_size": micro_batch_size, "oom_retries": oom_retries,
     }
@@ -123,11 +197,11 @@ def assemble_evidence(facts: dict, config: dict, steps: list[dict], trajectories
                       eval_records: list[dict]) -> dict:
     """The evidence document. `facts` holds: run_label, created, loop_status, failure,
     interruption, resumes, environment, inputs, contract, seconds (rollout, verification,
-    update, evaluation, checkpoint, load, total), verifier_errors, retest_verifier_errors,
+    update, evaluation, checkpoint, load, total), verifier_errors, reward_errors, retest_verifier_errors,
     retest_skipped, micro_batch_size, oom_retries, resources, artifact."""
     seconds = facts["seconds"]
-    rollout = rollout_section(trajectories, steps, seconds, config["group_size"],
-                              facts["verifier_errors"])
+    rollout = rollout_section(trajectories, steps, seconds, config, facts["verifier_errors"],
+                              facts.get("reward_errors", 0))
     update = update_section(config, steps, seconds, facts["micro_batch_size"],
                             facts["oom_retries"])
     comparison = (skipped_comparison(config) if facts["retest_skipped"] else
@@ -184,6 +258,7 @@ def recorded_facts(evidence: dict) -> dict:
                     "checkpoint": timings["checkpoint_seconds"],
                     "total": timings["total_seconds"]},
         "verifier_errors": rollout["verifier_errors"],
+        "reward_errors": rollout.get("reward_errors", 0),
         "retest_verifier_errors": comparison["verifier_errors"],
         "retest_skipped": comparison.get("skipped") is True,
         "micro_batch_size": update["micro_batch_size"], "oom_retries": update["oom_retries"],

@@ -1,7 +1,9 @@
 """Audit a finished run: re-read its files, recompute what can be recomputed, check every hash.
 
 `grpogate decide RUN_DIR` trusts nothing the run says about itself. From the stored files alone
-it re-runs the verifier named in the evidence on every stored completion (training and re-test)
+it re-runs the verifier named in the evidence on every stored completion (training and re-test),
+re-scores every training reward component with the run's reward functions and recomputes their
+weighted total
 against the reference answers of the reloaded problem sets, re-checks every step's rollout
 contract, checks every hash the manifest records, recomputes the policy versions from the
 adapter's own tensors (a forger who swaps adapter/ and recomputes every file hash still has
@@ -27,9 +29,11 @@ from typing import Any, Callable
 from grpogate.config import Gates, TaskConfig
 from grpogate.errors import InputError
 from grpogate.evidence import decisions
-from grpogate.evidence.assemble import assemble_evidence, recorded_facts, step_summary
+from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, recorded_facts,
+                                       step_summary)
 from grpogate.evidence.manifest import RUN_FILES, build_manifest, trace_ids_sha256
 from grpogate.files import ADAPTER_WEIGHTS, policy_version, safetensors_sha256, sha256_path
+from grpogate.inputs.rewards import reward_set_from_config
 from grpogate.inputs.tasks import load_problem_sets
 from grpogate.inputs.verifiers import get_verifier
 
@@ -238,8 +242,11 @@ def _budget_consistent(record: dict, max_new_tokens: Any) -> bool:
 def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]], verifier,
                   references: dict[str, str] | None,
                   expected: Callable[[dict], dict[str, Any]],
-                  max_new_tokens: Any) -> None:
-    """Per line: the prompt belongs to the set, identities match, the reward re-scores equal."""
+                  max_new_tokens: Any, reward_set=None) -> None:
+    """Per line: the prompt belongs to the set, identities match, the reward re-scores equal.
+    With `reward_set` (training records), every component is re-scored with the run's own
+    reward functions and `reward` must be their weighted total; without it (the re-test),
+    `reward` is the correctness verifier's alone."""
     for number, record in numbered:
         where = f"{file_name}:{number}"
         for key, value in expected(record).items():
@@ -256,13 +263,22 @@ def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]]
             audit.mismatch(f"{where} prompt_id", record.get("prompt_id"), "a prompt of the set")
             continue
         rescored = verifier.score(record.get("completion"), reference)
+        if reward_set is not None:
+            tokens = record.get("completion_tokens")
+            components = reward_set.score(record.get("completion"), reference,
+                                          tokens if isinstance(tokens, int) else 0, rescored)
+            audit.compare(f"{where} rewards", record.get("rewards"), components)
+            rescored = reward_set.total(components)
         if not same_value(record.get("reward"), rescored):
             audit.mismatch(f"{where} reward", record.get("reward"), rescored)
 
 
-def check_steps(audit: Audit, evidence: dict, trajectories: list[dict]) -> None:
-    """Every step's recorded summary and rollout contract, from that step's trajectory records."""
+def check_steps(audit: Audit, evidence: dict, trajectories: list[dict],
+                reward_versions: dict | None) -> None:
+    """Every step's recorded summary (coverage, components, refill) and rollout contract, from
+    that step's trajectory records; `reward_versions` as the audit's reward set has them."""
     group_size = evidence["config"]["group_size"]
+    mask_truncated = evidence["config"].get("mask_truncated_completions", False)
     steps = evidence.get("steps") if isinstance(evidence.get("steps"), list) else []
     for index, step in enumerate(steps):
         records = [r for r in trajectories if r.get("step") == step.get("step")]
@@ -270,7 +286,16 @@ def check_steps(audit: Audit, evidence: dict, trajectories: list[dict]) -> None:
             audit.mismatch(f"steps[{index}] (no trajectories for step {step.get('step')!r})")
             continue
         try:
-            audit.compare(f"steps[{index}]", step, step_summary(records, group_size))
+            audit.compare(f"steps[{index}]", step,
+                          step_summary(records, group_size, mask_truncated))
+            recorded_rounds = step.get("generation_rounds") or []
+            rounds = generation_rounds(records, group_size, evidence["config"]["seed"],
+                                       step.get("step"))
+            if len(recorded_rounds) != len(rounds):
+                audit.mismatch(f"steps[{index}].generation_rounds (count)",
+                               len(recorded_rounds), len(rounds))
+            else:  # per round: seed, prompts and valid groups; the seconds are taken as recorded
+                audit.compare(f"steps[{index}].generation_rounds", recorded_rounds, rounds)
         except (ValueError, KeyError, TypeError) as error:
             audit.mismatch(f"trajectories.jsonl step {step.get('step')!r} ({error})")
     # Contract: re-check every step's groups against that step's recorded policy version.
@@ -281,7 +306,7 @@ def check_steps(audit: Audit, evidence: dict, trajectories: list[dict]) -> None:
         records = [r for r in trajectories if r.get("step") == step_number]
         expected_version = versions.get(step_number, records[0].get("source_policy_version"))
         admitted &= decisions.check_step_contract(records, expected_version, verifier_version,
-                                                  group_size)["admitted"]
+                                                  group_size, reward_versions)["admitted"]
     audit.compare("contract.admitted", (evidence.get("contract") or {}).get("admitted"), admitted)
 
 
@@ -347,9 +372,23 @@ def _reload_references(audit: Audit, evidence: dict) -> tuple[dict | None, dict 
     return ({p.prompt_id: p.reference for p in train}, {p.prompt_id: p.reference for p in eval_set})
 
 
+def _reward_set(audit: Audit, evidence: dict, verifier):
+    """The run's reward functions rebuilt from its config (the run's own builder); their
+    versions must be the recorded ones (a user function's source hash included)."""
+    if verifier is None:
+        return None
+    try:
+        reward_set = reward_set_from_config(evidence["config"], verifier.version)
+    except ValueError as error:
+        audit.mismatch(f"config.rewards ({error})")
+        return None
+    audit.compare("inputs.rewards", evidence["inputs"].get("rewards"), reward_set.describe())
+    return reward_set
+
+
 def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numbered_eval,
-                       train_refs, eval_refs, policy_versions: dict[str, str]) -> None:
-    verifier = _verifier(audit, evidence)
+                       train_refs, eval_refs, verifier, reward_set,
+                       policy_versions: dict[str, str]) -> None:
     versions = {s.get("step"): s.get("policy_version") for s in evidence.get("steps") or []}
     verifier_version = evidence["inputs"]["verifier"]["version"]
     max_new_tokens = evidence["config"]["max_new_tokens"]
@@ -357,7 +396,7 @@ def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numb
                   lambda r: {"verifier_version": verifier_version,
                              "source_policy_version": versions.get(
                                  r.get("step"), r.get("source_policy_version"))},
-                  max_new_tokens)
+                  max_new_tokens, reward_set)
     check_records(audit, "eval_completions.jsonl", numbered_eval, verifier, eval_refs,
                   lambda r: {"verifier_version": verifier_version,
                              "seed": evidence["seeds"]["eval"],
@@ -393,9 +432,12 @@ def audit_run(run_dir: str | Path) -> dict[str, Any]:
             check_hashes(audit, run_dir, manifest, evidence, trajectories)
         versions = anchored_versions(audit, run_dir, evidence)
         train_refs, eval_refs = _reload_references(audit, evidence)
+        verifier = _verifier(audit, evidence)
+        reward_set = _reward_set(audit, evidence, verifier)
         _check_all_records(audit, evidence, numbered_trajectories, numbered_eval, train_refs,
-                           eval_refs, versions)
-        check_steps(audit, evidence, trajectories)
+                           eval_refs, verifier, reward_set, versions)
+        check_steps(audit, evidence, trajectories,
+                    reward_set.versions if reward_set is not None else None)
         check_retest_records(audit, evidence, eval_records, list(eval_refs) if eval_refs else None)
         check_assembly(audit, evidence, trajectories, eval_records)
     except (KeyError, TypeError, AttributeError) as error:

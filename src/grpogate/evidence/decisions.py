@@ -127,11 +127,32 @@ def contract_groups(records: Any) -> list[dict[str, Any]]:
     return list(groups.values())
 
 
+REWARD_VERSIONS_CHECK = "reward_versions"
+
+
 def check_step_contract(records: Any, expected_policy_version: Any,
-                        expected_verifier_version: Any, expected_group_size: Any) -> dict[str, Any]:
-    """`check_rollout_contract` on one step's trajectory records (the loop and the audit)."""
-    return check_rollout_contract(contract_groups(records), expected_policy_version,
-                                  expected_verifier_version, expected_group_size)
+                        expected_verifier_version: Any, expected_group_size: Any,
+                        expected_reward_versions: Any = None) -> dict[str, Any]:
+    """`check_rollout_contract` on one step's trajectory records (the loop and the audit).
+
+    With `expected_reward_versions` ({component: version}), every record must also carry
+    exactly those reward components at those versions, else `reward_versions` fails: a total
+    computed by another version of any component is not the reward the run claims.
+    """
+    result = check_rollout_contract(contract_groups(records), expected_policy_version,
+                                    expected_verifier_version, expected_group_size)
+    if expected_reward_versions is None:
+        return result
+    usable = isinstance(expected_reward_versions, dict) and bool(expected_reward_versions) and all(
+        _non_empty_str(v) for v in expected_reward_versions.values())
+    consistent = usable and isinstance(records, list) and all(
+        isinstance(r, dict) and r.get("reward_versions") == expected_reward_versions
+        and isinstance(r.get("rewards"), dict) and set(r["rewards"]) == set(expected_reward_versions)
+        for r in records)
+    if consistent:
+        return result
+    failed = result["failed_checks"] + [REWARD_VERSIONS_CHECK]
+    return {"admitted": False, "failed_checks": failed}
 
 
 def _group_statistics(rollout: Any) -> tuple[float, int, bool]:

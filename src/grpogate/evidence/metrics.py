@@ -269,6 +269,15 @@ def paired_comparison(
 # ---- training rollouts (SPEC §2) -------------------------------------------------------------
 
 
+def component_means(trajectories: list[dict]) -> dict:
+    """Mean of every reward component over the records that carry it, by component name."""
+    values: dict[str, list[float]] = {}
+    for record in trajectories:
+        for name, value in (record.get("rewards") or {}).items():
+            values.setdefault(str(name), []).append(float(value))
+    return {name: _mean(items) for name, items in values.items()}
+
+
 def rollout_summary(trajectories: list[dict], group_size: int) -> dict:
     """Reduce training trajectory records to the SPEC §2 coverage quantities.
 

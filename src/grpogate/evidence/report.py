@@ -247,7 +247,8 @@ def gates_section(evidence: dict) -> str:
             + _table(["check", "value", "threshold", "result", "on fail", "gain measure"], rows)
             + '<p class="note">Minimums and maximums are inclusive. The reward and pass_at_group '
             f"gates read the re-test gain's {_e(gain_measure)}"
-            f"{' (require_significant_gain)' if significant is True else ''}.</p>")
+            f"{' (require_significant_gain)' if significant is True else ''}, scored by the "
+            "correctness verifier alone, whatever reward components the training used.</p>")
 
 
 def retest_section(evidence: dict, pngs: dict[str, bytes]) -> str:
@@ -301,6 +302,7 @@ def training_section(evidence: dict, pngs: dict[str, bytes]) -> str:
               f"{_fmt(update.get('clip_epsilon'))} / {_fmt(update.get('clip_fraction'))}"),
              ("KL coefficient / mean KL", f"{_fmt(update.get('kl_coef'))} / {_fmt(update.get('mean_kl'))}"),
              ("generation tokens / s", _fmt(rollout.get("generation_tokens_per_second")))]
+    facts += _shaping_facts(evidence)
     resources = evidence.get("resources") or {}
     facts += [(f"peak {kind} ({resources.get('device')})", _fmt(resources.get(f"peak_{kind}_bytes"), "bytes"))
               for kind in ("allocated", "reserved", "rss")]
@@ -308,6 +310,33 @@ def training_section(evidence: dict, pngs: dict[str, bytes]) -> str:
                                                       [[_e(k), _e(v)] for k, v in facts])
             + _img(pngs, "steps", "reward, valid group ratio and KL per update step")
             + "<h2>Stage times</h2>" + _img(pngs, "stages", "stage time breakdown"))
+
+
+def _shaping_facts(evidence: dict) -> list[tuple[str, str]]:
+    """Reward components, dynamic sampling, masked truncation and the sampler's truncation."""
+    rollout, update = evidence.get("rollout") or {}, evidence.get("update") or {}
+    means = rollout.get("reward_component_means") or {}
+    facts = [(f"training reward {d.get('name')} x {_fmt(d.get('weight'))} (mean)",
+              f"{_fmt(means.get(d.get('name')))}  [{d.get('version')}]")
+             for d in (evidence.get("inputs") or {}).get("rewards") or []]
+    facts.append(("multi-objective aggregation / reward errors",
+                  f"{rollout.get('multi_objective_aggregation')} / "
+                  f"{_fmt(rollout.get('reward_errors'))}"))
+    dynamic = rollout.get("dynamic_sampling") or {}
+    if dynamic.get("enabled"):
+        facts.append(("dynamic sampling: prompts drawn / groups kept / refill prompts / refill s",
+                      f"{dynamic.get('prompts_drawn')} / {dynamic.get('groups_kept')} / "
+                      f"{dynamic.get('refill_prompts')} / "
+                      f"{_fmt(dynamic.get('refill_generation_seconds'))}"))
+    if update.get("mask_truncated_completions"):
+        facts.append(("truncated completions masked out of the loss",
+                      _fmt(update.get("masked_truncated_sequences"))))
+    sampling = rollout.get("sampling") or {}
+    facts.append(("sampling (temperature, top_p, top_k, min_p)",
+                  ", ".join(_fmt(sampling.get(k)) for k in ("temperature", "top_p", "top_k",
+                                                            "min_p"))
+                  + f"; ratio against {sampling.get('ratio_old_logprobs')}"))
+    return facts
 
 
 def inputs_section(evidence: dict, manifest: dict) -> str:

@@ -29,8 +29,9 @@ from decimal import Decimal
 from typing import Any, Protocol
 
 GSM8K_FINAL_NUMBER = "gsm8k-final-number-v1"
+MATH_VERIFY = "math-verify-v1"
 REASONING_GYM_PREFIX = "reasoning-gym/"
-KNOWN_VERIFIERS = (GSM8K_FINAL_NUMBER, REASONING_GYM_PREFIX + "<dataset_name>")
+KNOWN_VERIFIERS = (GSM8K_FINAL_NUMBER, MATH_VERIFY, REASONING_GYM_PREFIX + "<dataset_name>")
 
 # A number as people write it in answers: an optional sign, an optional "$", digits with
 # optional thousands separators (groups of exactly three) and an optional decimal part, or a
@@ -202,6 +203,94 @@ class ReasoningGymVerifier:
         return 1.0 if reward >= 1.0 else 0.0  # NaN compares False -> 0.0
 
 
+class MathVerifyVerifier:
+    """Hugging Face math-verify (`\\boxed{}`, LaTeX, fractions, percentages) against the
+    reference's final answer (after its last "####", else the whole reference).
+
+    math-verify can evaluate model output as code (sympy's parse_expr calls eval), so it runs
+    only in a confined child process (inputs/math_verify_worker.py: no root, no new processes,
+    no file writes, bounded memory) and each completion gets `time_limit_seconds` of wall clock;
+    past it the child is killed and restarted. A timeout, a crash or a completion over
+    MAX_CHARS (never sent) scores 0.0 and counts in `error_count`.
+    """
+
+    name = version = MATH_VERIFY
+    MAX_CHARS = 20_000  # about 5,000 tokens: longer than any budget here; a 1 MB string is refused
+    STARTUP_SECONDS = 120.0  # importing sympy on a busy 2-core machine
+
+    def __init__(self, time_limit_seconds: float = 5.0) -> None:
+        from importlib import util
+
+        if util.find_spec("math_verify") is None:
+            raise ValueError("verifier 'math-verify-v1' needs the math-verify package: "
+                             "pip install 'grpogate[math]'")
+        self.time_limit_seconds = time_limit_seconds
+        self.error_count = 0
+        self._child = None
+        self.library_version = None
+
+    def _start(self):
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        worker = Path(__file__).with_name("math_verify_worker.py")
+        # -I: no PYTHONPATH, no user site, not the current directory: only the worker's code.
+        self._child = subprocess.Popen([sys.executable, "-I", str(worker)], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                       text=True, bufsize=1)
+        ready = self._reply(self.STARTUP_SECONDS)
+        if ready is None or "ready" not in ready:
+            self.close()
+            raise RuntimeError("the math-verify worker did not start")
+        self.library_version = ready["ready"]
+
+    def _reply(self, seconds: float) -> dict | None:
+        import json
+        import select
+
+        readable, _, _ = select.select([self._child.stdout], [], [], seconds)
+        line = self._child.stdout.readline() if readable else ""
+        try:
+            return json.loads(line) if line else None
+        except ValueError:
+            return None
+
+    def close(self) -> None:
+        if self._child is not None:
+            self._child.kill()
+            self._child.wait()
+            self._child = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def score(self, completion: Any, reference: Any) -> float:
+        import json
+
+        if not isinstance(completion, str) or not isinstance(reference, str):
+            return 0.0
+        if len(completion) > self.MAX_CHARS:
+            self.error_count += 1
+            return 0.0
+        _, _, gold = reference.rpartition("####")
+        try:
+            if self._child is None:
+                self._start()
+            self._child.stdin.write(json.dumps({"completion": completion,
+                                                "gold": gold.strip()}) + "\n")
+            reply = self._reply(self.time_limit_seconds)
+        except (OSError, RuntimeError, ValueError):
+            reply = None
+        if reply is None:  # over the time limit, or the child died: a fresh one next time
+            self.close()
+            self.error_count += 1
+            return 0.0
+        if reply.get("error"):
+            self.error_count += 1
+        return 1.0 if reply.get("reward") == 1.0 else 0.0
+
+
 def _distribution_version(distribution: str, module: Any) -> str:
     # The installed distribution's metadata is authoritative; reasoning_gym.__version__ has
     # lagged behind the released package.
@@ -214,9 +303,12 @@ def _distribution_version(distribution: str, module: Any) -> str:
 
 
 def get_verifier(name: str) -> Verifier:
-    """The verifier called `name`: "gsm8k-final-number-v1" or "reasoning-gym/<dataset_name>"."""
+    """The verifier called `name`: "gsm8k-final-number-v1", "math-verify-v1" or
+    "reasoning-gym/<dataset_name>"."""
     if name == GSM8K_FINAL_NUMBER:
         return FinalNumberVerifier()
+    if name == MATH_VERIFY:
+        return MathVerifyVerifier()
     if isinstance(name, str) and name.startswith(REASONING_GYM_PREFIX):
         dataset_name = name[len(REASONING_GYM_PREFIX) :]
         if dataset_name:

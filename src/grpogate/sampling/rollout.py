@@ -2,14 +2,15 @@
 
 `generate_completions` is a pure function of (model, tokenizer, prompts, settings, seed): it
 returns plain `Completion` records holding token ids and text, nothing else. Scoring happens in
-`score_completions` (timed separately as verification), and `trajectory_records` joins both into
-the records written to trajectories.jsonl. All prompts of a step are batched across groups.
+`score_completions` (the correctness verifier) and `score_rewards` (every weighted component; both
+timed as verification), and `trajectory_records` joins them into the records written to
+trajectories.jsonl. All prompts of a step are batched across groups.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,12 +26,19 @@ class SamplingSettings:
     temperature: float
     top_p: float
     batch_size: int
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the sampled distribution is a truncation of softmax(logits / temperature)."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
 
 def sampling_settings(config: RunConfig) -> SamplingSettings:
     """The same settings for training rollouts, the re-test and `grpogate eval`."""
     return SamplingSettings(config.max_new_tokens, config.temperature, config.top_p,
-                            config.generation_batch_size)
+                            config.generation_batch_size, config.top_k, config.min_p)
 
 
 @dataclass
@@ -41,6 +49,9 @@ class Completion:
     completion_token_ids: list[int]  # up to and including EOS when the model stopped
     text: str
     hit_max_length: bool  # no EOS within the token budget: the answer may be cut off
+    # The log-prob of each drawn token under the distribution it was drawn from: truncated
+    # (top_k / top_p / min_p) and renormalized when the settings truncate, else the full one.
+    sampler_logprobs: list[float] = field(default_factory=list)
 
 
 def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str,
@@ -66,8 +77,13 @@ SAMPLE_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
-            block: int = SAMPLE_BLOCK) -> torch.Tensor:
-    """logits [N, V] -> token ids [N], sampled at `temperature` within the top-p nucleus.
+            block: int = SAMPLE_BLOCK, top_k: int = 0, min_p: float = 0.0,
+            with_logprobs: bool = False):
+    """logits [N, V] -> token ids [N] sampled at `temperature` from the distribution truncated
+    as transformers orders it: the `top_k` most likely tokens, then the `top_p` nucleus of those,
+    then the tokens with at least `min_p` x the top token's probability. With `with_logprobs`,
+    also [N] float32: each drawn token's log-prob under that truncated, renormalized
+    distribution (the full one when nothing truncates).
 
     Inverse-CDF sampling with one uniform number per row, in two levels: pick a block of `block`
     tokens by the cumulative block masses, then a token inside it. torch.multinomial draws an
@@ -75,15 +91,33 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
     sum costs as much again; measured, each was a fifth or more of all decoding time.
     """
     # Unnormalized probabilities exp((x - max) / T), built in place in one float32 copy: the
-    # inverse CDF scales its draw by the total mass, so no normalization pass is needed.
+    # inverse CDF scales its draw by the total mass, so no normalization pass is needed. The
+    # top token's entry is exactly 1, so min_p compares against min_p itself.
     scores = logits.to(torch.float32, copy=True)  # never the caller's tensor, even in float32
-    probs = scores.sub_(scores.amax(dim=-1, keepdim=True)).mul_(1.0 / temperature).exp_()  # [N, V]
+    top = scores.amax(dim=-1, keepdim=True)  # [N, 1]
+    probs = scores.sub_(top).mul_(1.0 / temperature).exp_()  # [N, V]
     order = None
-    if top_p < 1.0:
-        probs = probs.div_(probs.sum(dim=-1, keepdim=True))
+    if top_p < 1.0 or top_k > 0:
         probs, order = probs.sort(dim=-1, descending=True)
-        outside = probs.cumsum(-1) - probs > top_p  # keep the token that crosses top_p
-        probs = probs.masked_fill(outside, 0.0)
+        if top_k > 0:
+            probs[:, top_k:] = 0.0
+        if top_p < 1.0:
+            normalized = probs / probs.sum(dim=-1, keepdim=True)
+            outside = normalized.cumsum(-1) - normalized > top_p  # keep the token that crosses
+            probs = probs.masked_fill(outside, 0.0)
+    if min_p > 0.0:
+        probs = probs.masked_fill(probs < min_p, 0.0)
+    chosen, kept_mass = _inverse_cdf(probs, generator, block)  # [N, 1] (sorted order), [N, 1]
+    tokens = (order.gather(-1, chosen) if order is not None else chosen)  # [N, 1]
+    if not with_logprobs:
+        return tokens.squeeze(-1)
+    # log p = (x - max) / T - log(kept mass), in log space so that no exp underflows.
+    scaled = (logits.gather(-1, tokens).float() - top) / temperature  # [N, 1]
+    return tokens.squeeze(-1), (scaled - kept_mass.log().float()).squeeze(-1)
+
+
+def _inverse_cdf(probs: torch.Tensor, generator, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [N, V] non-negative, unnormalized -> (chosen index [N, 1], total mass [N, 1])."""
     rows, vocab = probs.shape
     whole = vocab // block * block
     masses = [probs[:, :whole].reshape(rows, -1, block).sum(-1)]  # float32 block sums [N, V / block]
@@ -100,8 +134,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
     index = chosen_block * block + torch.arange(block, device=probs.device)  # [N, block]
     inside = probs.gather(1, index.clamp(max=vocab - 1)).double() * (index < vocab)
     within = torch.searchsorted(inside.cumsum(dim=1), draw - below, right=True)
-    chosen = index.gather(1, torch.minimum(within, _last_positive(inside)))  # [N, 1]
-    return (order.gather(-1, chosen) if order is not None else chosen).squeeze(-1)
+    return index.gather(1, torch.minimum(within, _last_positive(inside))), cdf[:, -1:]
 
 
 def _last_positive(values: torch.Tensor) -> torch.Tensor:
@@ -112,8 +145,10 @@ def _last_positive(values: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings: SamplingSettings,
-                   eos_ids: set[int], pad_id: int, generator, device) -> list[list[int]]:
-    """Sample `group_size` continuations of each prompt; returns token lists, prompt-major.
+                   eos_ids: set[int], pad_id: int, generator,
+                   device) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample `group_size` continuations of each prompt; returns token lists and each token's
+    sampler log-prob, prompt-major.
 
     Each prompt is prefilled once and its KV cache repeated G times; a row that emits EOS leaves
     the batch (its cache rows are dropped), so finished sequences cost no further decode steps.
@@ -122,12 +157,17 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
     rows = torch.arange(logits.shape[0], device=device)  # original row of each batch row
     live = torch.ones(len(rows), dtype=torch.bool, device=device)  # not yet past EOS
     tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
+    logprobs: list[list[float]] = [[] for _ in range(logits.shape[0])]
     eos = torch.tensor(sorted(eos_ids), device=device)
     for step in range(settings.max_new_tokens):
-        chosen = _sample(logits, settings.temperature, settings.top_p, generator)  # [rows]
-        for row, token, alive in zip(rows.tolist(), chosen.tolist(), live.tolist()):
+        chosen, chosen_logp = _sample(logits, settings.temperature, settings.top_p, generator,
+                                      top_k=settings.top_k, min_p=settings.min_p,
+                                      with_logprobs=True)  # [rows], [rows]
+        for row, token, logp, alive in zip(rows.tolist(), chosen.tolist(), chosen_logp.tolist(),
+                                           live.tolist()):
             if alive:
                 tokens[row].append(token)
+                logprobs[row].append(logp)
         live = live & ~torch.isin(chosen, eos)
         if step == settings.max_new_tokens - 1 or not live.any():
             break
@@ -140,7 +180,7 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
             stepper.select(keep)
             rows, chosen, live = rows[keep], chosen[keep], live[keep]
         logits = stepper.step(chosen)
-    return tokens
+    return tokens, logprobs
 
 
 def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], group_size: int,
@@ -164,14 +204,16 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
     try:
         for start in range(0, len(prompt_token_ids), prompts_per_batch):
             chunk = list(range(start, min(start + prompts_per_batch, len(prompt_token_ids))))
-            sampled = _decode_groups(stepper, [prompt_token_ids[p] for p in chunk], group_size,
-                                     settings, eos_ids, tokenizer.pad_token_id, generator, device)
-            for offset, tokens in enumerate(sampled):
+            sampled, logprobs = _decode_groups(
+                stepper, [prompt_token_ids[p] for p in chunk], group_size, settings, eos_ids,
+                tokenizer.pad_token_id, generator, device)
+            for offset, (tokens, token_logprobs) in enumerate(zip(sampled, logprobs)):
                 prompt_index, sample_index = chunk[offset // group_size], offset % group_size
                 completion, stopped = _cut_at_eos(tokens, eos_ids)
                 completions.append(Completion(
                     prompt_index, sample_index, prompt_token_ids[prompt_index], completion,
-                    tokenizer.decode(completion, skip_special_tokens=True), not stopped))
+                    tokenizer.decode(completion, skip_special_tokens=True), not stopped,
+                    token_logprobs[:len(completion)]))
             if advance is not None:
                 advance(len(sampled))
     finally:
@@ -194,30 +236,44 @@ def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> tuple[list[int], bool]:
 
 
 def score_completions(completions: list[Completion], problems: list[Problem], verifier) -> list[float]:
+    """The correctness verifier's reward of every completion."""
     return [verifier.score(c.text, problems[c.prompt_index].reference) for c in completions]
+
+
+def score_rewards(completions: list[Completion], problems: list[Problem], reward_set,
+                  correctness: list[float]) -> list[dict[str, float]]:
+    """Every reward component of every completion (`correctness` from `score_completions`)."""
+    return [reward_set.score(c.text, problems[c.prompt_index].reference,
+                             len(c.completion_token_ids), reward)
+            for c, reward in zip(completions, correctness)]
 
 
 def trace_id(run_id: str, step: int, prompt_id: str, sample_index: int) -> str:
     return hashlib.sha256(f"{run_id}|{step}|{prompt_id}|{sample_index}".encode()).hexdigest()[:24]
 
 
-def trajectory_records(completions: list[Completion], rewards: list[float], problems: list[Problem],
-                       *, run_id: str, step: int, policy_version: str,
-                       verifier_version: str) -> list[dict]:
-    """One JSON-ready record per completion, with every identity the contract checks."""
+def trajectory_records(completions: list[Completion], components: list[dict[str, float]],
+                       problems: list[Problem], *, run_id: str, step: int, policy_version: str,
+                       verifier_version: str, reward_set, generation_round: int = 0) -> list[dict]:
+    """One JSON-ready record per completion, with every identity the contract checks: each
+    reward component and its version, and `reward`, their weighted total (what the
+    advantages are computed from). `round` is the step's generation round (dynamic sampling)."""
     records = []
-    for completion, reward in zip(completions, rewards):
+    for completion, values in zip(completions, components):
         problem = problems[completion.prompt_index]
         records.append({
             "step": step,
+            "round": generation_round,
             "prompt_id": problem.prompt_id,
             "sample_index": completion.sample_index,
             "trace_id": trace_id(run_id, step, problem.prompt_id, completion.sample_index),
             "source_policy_version": policy_version,
             "verifier_version": verifier_version,
+            "reward_versions": dict(reward_set.versions),
             "completion": completion.text,
             "completion_tokens": len(completion.completion_token_ids),
             "hit_max_length": completion.hit_max_length,
-            "reward": float(reward),
+            "rewards": {name: float(value) for name, value in values.items()},
+            "reward": reward_set.total(values),
         })
     return records

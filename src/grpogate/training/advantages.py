@@ -4,7 +4,16 @@ Groups whose rewards are all equal have zero advantage everywhere, so their poli
 is exactly zero: they never enter a forward or backward pass (and their KL term goes with them:
 the KL penalty only acts on the tokens trained on). Advantages are (r - mean) / (std + 1e-4)
 with the unbiased within-group std, as TRL and verl compute them.
-Shapes: B groups of G completions.
+
+Several reward components combine as TRL's `multi_objective_aggregation` names it:
+`sum_then_normalize` normalizes the weighted total within each group; `normalize_then_sum`
+(GDPO) normalizes each component within its group, sums them weighted, then normalizes that sum
+over the step's batch — here the valid groups only, the ones that enter the update, so that
+refilled (dynamic-sampling) or skipped groups never shift it. A group is valid when its weighted
+total differs (the same rule the evidence counts by); under normalize_then_sum a group whose
+components vary but whose total is constant is skipped too, so trained groups and counted
+valid groups are always the same.
+Shapes: B groups of G completions, K reward components.
 """
 
 from __future__ import annotations
@@ -23,6 +32,23 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - mean) / (std + ADVANTAGE_EPS)
 
 
+def aggregate_advantages(components: torch.Tensor, weights: torch.Tensor, aggregation: str,
+                         valid: torch.Tensor) -> torch.Tensor:
+    """components [B, G, K], weights [K], valid [B] -> advantages [B, G] (zero off `valid`)."""
+    if aggregation == "sum_then_normalize":
+        return group_advantages((components * weights).sum(-1)) * valid[:, None]
+    if aggregation != "normalize_then_sum":
+        raise ValueError(f"unknown multi_objective_aggregation {aggregation!r}")
+    per_component = torch.stack([group_advantages(components[..., k])
+                                 for k in range(components.shape[-1])], dim=-1)  # [B, G, K]
+    summed = (per_component * weights).sum(-1)  # [B, G]
+    advantages = torch.zeros_like(summed)
+    kept = summed[valid]  # [V, G]
+    if kept.numel() > 1:
+        advantages[valid] = (kept - kept.mean()) / (kept.std() + ADVANTAGE_EPS)
+    return advantages
+
+
 def valid_group_mask(rewards: torch.Tensor) -> torch.Tensor:
     """rewards [B, G] -> [B] bool: groups whose rewards differ, the only ones with a gradient."""
     return rewards.max(dim=1).values > rewards.min(dim=1).values
@@ -36,6 +62,18 @@ class UpdateBatch:
     completion_token_ids: list[list[int]]
     advantages: list[float]
     group_index: list[int]  # which valid group (0..valid_groups-1) each sequence belongs to
+    # False: the sequence adds no loss (mask_truncated_completions), its advantage unchanged.
+    contributes: list[bool] | None = None
+    # The sampler's per-token log-probs, when the ratio must be taken against the truncated
+    # distribution it sampled from (top_k / top_p / min_p); None: the trainer's own.
+    old_logprobs: list[list[float]] | None = None
+
+    def contributing(self, index: int) -> bool:
+        return self.contributes is None or self.contributes[index]
+
+    @property
+    def masked_count(self) -> int:
+        return 0 if self.contributes is None else self.contributes.count(False)
 
     def __len__(self) -> int:
         return len(self.advantages)
@@ -51,19 +89,43 @@ class UpdateBatch:
 
 
 def build_update_batch(prompt_token_ids: list[list[int]], completion_token_ids: list[list[int]],
-                       rewards: list[float], group_size: int) -> UpdateBatch:
-    """Sequences arrive grouped (G consecutive per prompt); keep only the valid groups'."""
+                       rewards: list[float], group_size: int, *,
+                       components: list[list[float]] | None = None,
+                       weights: list[float] | None = None,
+                       aggregation: str = "sum_then_normalize",
+                       contributes: list[bool] | None = None,
+                       sampler_logprobs: list[list[float]] | None = None) -> UpdateBatch:
+    """Sequences arrive grouped (G consecutive per prompt); keep only the valid groups'.
+
+    `rewards` are the weighted totals; `components` [N][K] with `weights` [K] (default: the
+    totals as one component of weight 1) feed the aggregation. `contributes[i]` False keeps
+    sequence i in its group's advantages but out of the loss; a valid group none of whose
+    sequences contributes is dropped, since it would add an optimizer step with no gradient.
+    `sampler_logprobs[i]` (one per completion token) become the ratio's old log-probs.
+    """
     if len(rewards) % group_size:
         raise ValueError(f"{len(rewards)} completions do not form complete groups of {group_size}")
-    reward_matrix = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)  # [B, G]
-    advantages = group_advantages(reward_matrix)  # [B, G]
-    valid = valid_group_mask(reward_matrix)  # [B]
-    batch = UpdateBatch([], [], [], [])
-    for valid_index, group in enumerate(torch.nonzero(valid).flatten().tolist()):
-        for member in range(group_size):
-            row = group * group_size + member
+    totals = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)  # [B, G]
+    if components is None:
+        components, weights = [[r] for r in rewards], [1.0]
+    matrix = torch.tensor(components, dtype=torch.float64).view(totals.shape[0], group_size, -1)
+    valid = valid_group_mask(totals)  # [B]
+    advantages = aggregate_advantages(matrix, torch.tensor(weights, dtype=torch.float64),
+                                      aggregation, valid)  # [B, G]
+    batch = UpdateBatch([], [], [], [], None if contributes is None else [],
+                        None if sampler_logprobs is None else [])
+    for group in torch.nonzero(valid).flatten().tolist():
+        rows = range(group * group_size, (group + 1) * group_size)
+        if contributes is not None and not any(contributes[row] for row in rows):
+            continue
+        index = len(set(batch.group_index))
+        for member, row in enumerate(rows):
             batch.prompt_token_ids.append(prompt_token_ids[row])
             batch.completion_token_ids.append(completion_token_ids[row])
             batch.advantages.append(float(advantages[group, member]))
-            batch.group_index.append(valid_index)
+            batch.group_index.append(index)
+            if contributes is not None:
+                batch.contributes.append(bool(contributes[row]))
+            if sampler_logprobs is not None:
+                batch.old_logprobs.append(list(sampler_logprobs[row]))
     return batch

@@ -4,6 +4,11 @@ Each step samples G completions per prompt from the current policy (seeded with
 `config.seed + step`), scores them, appends them to trajectories.jsonl, checks the rollout
 contract, updates the adapter on the valid groups and checkpoints. Everything the loop has
 produced lives in a `LoopState`, which a checkpoint stores and a resumed run restores.
+With `dynamic_sampling` (DAPO), a step whose groups are not all valid draws the shortfall of
+new train prompts and generates again, up to `max_generation_rounds` rounds; every round's
+groups are recorded (their cost is real) and only the valid ones train. The data cursor counts
+prompts, not steps: it moves on with every prompt drawn, wraps into a new epoch at the end of
+the train set, and never hands one step the same prompt twice; a checkpoint keeps it.
 Safe points for a requested stop (SIGINT / SIGTERM) are the start of a step and the boundary
 between its rollout and its update; a step stopped there is dropped from the trajectories file.
 """
@@ -18,14 +23,15 @@ from rich.markup import escape
 
 from grpogate.config import RunConfig
 from grpogate.evidence import decisions
-from grpogate.evidence.assemble import step_summary
+from grpogate.evidence.metrics import rollout_summary
+from grpogate.evidence.assemble import rollout_seed, step_summary
 from grpogate.files import JsonlLog
 from grpogate.inputs.policy import Policy, current_version, reference_mode, sampling_weights
 from grpogate.inputs.tasks import Problem
 from grpogate.interrupts import StopRequest
 from grpogate.sampling.decoding import make_stepper
 from grpogate.sampling.rollout import (Completion, generate_completions, sampling_settings,
-                                       score_completions, trajectory_records)
+                                       score_completions, score_rewards, trajectory_records)
 from grpogate.training.advantages import build_update_batch
 from grpogate.training.checkpoint import CheckpointWriter
 from grpogate.training.update import (NonFiniteUpdate, UpdateFailed, UpdateSettings,
@@ -38,21 +44,25 @@ class LoopState:
     the trajectories, which are re-read from trajectories.jsonl up to `trajectories_offset`."""
 
     micro_batch_size: int
-    next_step: int = 0  # the data cursor: step k trains on prompts [k * P, (k + 1) * P)
+    next_step: int = 0
+    # The data cursor: prompts drawn so far over all epochs; the next one is
+    # problems[next_prompt % len(problems)]. Without dynamic sampling it is next_step * P.
+    next_prompt: int = 0
     steps: list[dict] = field(default_factory=list)
     trajectories: list[dict] = field(default_factory=list)
     seconds: dict = field(default_factory=lambda: dict.fromkeys(
         ("rollout", "verification", "update", "checkpoint"), 0.0))
     trajectories_offset: int = 0  # bytes of trajectories.jsonl that belong to finished steps
     verifier_errors: int = 0
+    reward_errors: int = 0  # user reward functions that raised, timed out or returned non-finite
     oom_retries: int = 0
     status: str = "ok"
     contract: dict = field(default_factory=lambda: {"admitted": True, "failed_checks": []})
     failure: dict | None = None  # {"step", "message"} when an update aborted the run
     interruption: dict | None = None  # {"signal", "safe_point", "completed_steps"}
 
-    CHECKPOINTED = ("micro_batch_size", "next_step", "steps", "seconds", "trajectories_offset",
-                    "verifier_errors", "oom_retries")
+    CHECKPOINTED = ("micro_batch_size", "next_step", "next_prompt", "steps", "seconds",
+                    "trajectories_offset", "verifier_errors", "reward_errors", "oom_retries")
 
     def checkpointed(self) -> dict:
         return {name: getattr(self, name) for name in self.CHECKPOINTED}
@@ -74,6 +84,7 @@ class Loop:
     policy: Policy
     config: RunConfig
     verifier: object
+    reward_set: object  # inputs.rewards.RewardSet: the weighted components trained on
     problems: list[Problem]  # the train set, in cursor order
     prompts: list[list[int]]  # their encoded prompts
     log: JsonlLog
@@ -89,13 +100,16 @@ class Rollout:
     """One step's sampled and scored group, before its update."""
 
     version: str
-    completions: list[Completion]
-    rewards: list[float]
+    completions: list[Completion]  # every round's, round after round
+    rewards: list[float]  # weighted totals
+    components: list[list[float]]  # [N][K] in the reward set's order
     records: list[dict]
+    rounds: list[dict]  # per generation round: seed, prompts, valid groups, seconds
     decode_path: str
     rollout_seconds: float
     verification_seconds: float
-    log_offset: int  # bytes of trajectories.jsonl once this step's records are in
+    next_prompt: int  # the data cursor after this step
+    log_offset: int = 0  # bytes of trajectories.jsonl once this step's records are in
 
 
 def train(loop: Loop, state: LoopState, on_step=None) -> None:
@@ -116,41 +130,80 @@ def train(loop: Loop, state: LoopState, on_step=None) -> None:
 
 
 def _rollout(loop: Loop, state: LoopState, step: int) -> Rollout:
-    """Sample the step's groups (seed = run seed + step), score them, log the records."""
+    """Sample the step's groups (round 0: P prompts; with dynamic sampling, refill rounds for
+    the shortfall of valid groups), score them, log the records."""
+    config = loop.config
+    rollout = Rollout(current_version(loop.policy), [], [], [], [], [], "", 0.0, 0.0,
+                      state.next_prompt)
+    rounds = config.max_generation_rounds if config.dynamic_sampling else 1
+    valid_groups, drawn = 0, 0
+    for generation_round in range(rounds):
+        # Never the same prompt twice in one step: its groups would merge in the contract.
+        wanted = min(config.prompts_per_step - valid_groups, len(loop.problems) - drawn)
+        if wanted <= 0:
+            break
+        indexes = [(rollout.next_prompt + i) % len(loop.problems) for i in range(wanted)]
+        rollout.next_prompt += wanted
+        drawn += wanted
+        valid_groups += _generation_round(loop, state, step, generation_round, indexes, rollout)
+        if valid_groups >= config.prompts_per_step:
+            break
+    # Counted before any check can stop the loop: an aborted step still paid its cost.
+    state.seconds["rollout"] += rollout.rollout_seconds
+    state.seconds["verification"] += rollout.verification_seconds
+    rollout.log_offset = loop.log.append(rollout.records)
+    state.trajectories.extend(rollout.records)
+    return rollout
+
+
+def _generation_round(loop: Loop, state: LoopState, step: int, generation_round: int,
+                      indexes: list[int], rollout: Rollout) -> int:
+    """Generate and score G completions for each of the train prompts `indexes`; append them to
+    `rollout` and return how many of their groups are valid."""
     config, policy = loop.config, loop.policy
-    begin = step * config.prompts_per_step
-    problems = loop.problems[begin:begin + config.prompts_per_step]
-    version = current_version(policy)
+    problems = [loop.problems[i] for i in indexes]
+    seed = rollout_seed(config.seed, step, generation_round)
     started = time.perf_counter()
-    with loop.reporter.task(f"step {step + 1}/{config.steps} rollout",
-                            len(problems) * config.group_size) as advance, sampling_weights(policy):
+    label = f"step {step + 1}/{config.steps} rollout" + (
+        f" (refill {generation_round})" if generation_round else "")
+    with loop.reporter.task(label, len(problems) * config.group_size) as advance, \
+            sampling_weights(policy):
         stepper = make_stepper(policy.model)
         completions = generate_completions(policy.model, policy.tokenizer,
-                                           loop.prompts[begin:begin + len(problems)],
-                                           config.group_size, sampling_settings(config),
-                                           config.seed + step, advance, stepper)
-    rollout_seconds = time.perf_counter() - started
+                                           [loop.prompts[i] for i in indexes], config.group_size,
+                                           sampling_settings(config), seed, advance, stepper)
+    generation_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    errors_before = loop.verifier.error_count
-    rewards = score_completions(completions, problems, loop.verifier)
-    state.verifier_errors += loop.verifier.error_count - errors_before
+    errors_before = loop.verifier.error_count, loop.reward_set.error_count
+    correctness = score_completions(completions, problems, loop.verifier)
+    components = score_rewards(completions, problems, loop.reward_set, correctness)
+    state.verifier_errors += loop.verifier.error_count - errors_before[0]
+    state.reward_errors += loop.reward_set.error_count - errors_before[1]
     verification_seconds = time.perf_counter() - started
-    # Counted before any check can stop the loop: an aborted step still paid its cost.
-    state.seconds["rollout"] += rollout_seconds
-    state.seconds["verification"] += verification_seconds
-    records = trajectory_records(completions, rewards, problems, run_id=loop.run_label,
-                                 step=step, policy_version=version,
-                                 verifier_version=loop.verifier.version)
-    offset = loop.log.append(records)
-    state.trajectories.extend(records)
-    return Rollout(version, completions, rewards, records, stepper.name, rollout_seconds,
-                   verification_seconds, offset)
+    records = trajectory_records(completions, components, problems, run_id=loop.run_label,
+                                 step=step, policy_version=rollout.version,
+                                 verifier_version=loop.verifier.version,
+                                 reward_set=loop.reward_set, generation_round=generation_round)
+    valid = rollout_summary(records, config.group_size)["valid_group_count"]
+    rollout.completions += completions
+    rollout.rewards += [record["reward"] for record in records]
+    rollout.components += [[values[name] for name in loop.reward_set.weights]
+                           for values in components]
+    rollout.records += records
+    rollout.decode_path = stepper.name
+    rollout.rollout_seconds += generation_seconds
+    rollout.verification_seconds += verification_seconds
+    rollout.rounds.append({"round": generation_round, "seed": seed, "prompts": len(indexes),
+                           "valid_groups": valid, "generation_seconds": generation_seconds,
+                           "verification_seconds": verification_seconds})
+    return valid
 
 
 def _admit_rollout(loop: Loop, state: LoopState, step: int, rollout: Rollout) -> bool:
     """The step's contract, then a safe point before its update; False stops the loop."""
     contract = decisions.check_step_contract(rollout.records, rollout.version,
-                                             loop.verifier.version, loop.config.group_size)
+                                             loop.verifier.version, loop.config.group_size,
+                                             loop.reward_set.versions)
     if not contract["admitted"]:
         state.contract = {"admitted": False, "failed_checks": contract["failed_checks"],
                           "step": step}
@@ -170,9 +223,16 @@ def _update(loop: Loop, state: LoopState, step: int, rollout: Rollout):
     """The step's optimizer steps on its valid groups; None (and the state says why) when the
     update failed and was rolled back."""
     config, policy = loop.config, loop.policy
-    batch = build_update_batch([c.prompt_token_ids for c in rollout.completions],
-                               [c.completion_token_ids for c in rollout.completions],
-                               rollout.rewards, config.group_size)
+    batch = build_update_batch(
+        [c.prompt_token_ids for c in rollout.completions],
+        [c.completion_token_ids for c in rollout.completions], rollout.rewards,
+        config.group_size, components=rollout.components,
+        weights=list(loop.reward_set.weights.values()),
+        aggregation=config.multi_objective_aggregation,
+        contributes=([not c.hit_max_length for c in rollout.completions]
+                     if config.mask_truncated_completions else None),
+        sampler_logprobs=([c.sampler_logprobs for c in rollout.completions]
+                          if sampling_settings(config).truncates else None))
     settings = dataclasses.replace(UpdateSettings.from_config(config),
                                    micro_batch_size=state.micro_batch_size)
 
@@ -205,10 +265,11 @@ def _finish_step(loop: Loop, state: LoopState, step: int, rollout: Rollout, upda
     """Record the step, checkpoint, then tell `on_step` and the terminal."""
     config = loop.config
     record, update_seconds = update_record
-    summary = step_summary(rollout.records, config.group_size)
+    summary = step_summary(rollout.records, config.group_size, config.mask_truncated_completions)
     state.steps.append({
         "step": step, "policy_version": rollout.version, **summary,
-        "decode_path": rollout.decode_path,
+        "decode_path": rollout.decode_path, "generation_rounds": rollout.rounds,
+        "refill_generation_seconds": sum(r["generation_seconds"] for r in rollout.rounds[1:]),
         "generation_tokens_per_second": (summary["generated_tokens"] / rollout.rollout_seconds
                                          if rollout.rollout_seconds else 0.0),
         "rollout_seconds": rollout.rollout_seconds,
@@ -218,6 +279,7 @@ def _finish_step(loop: Loop, state: LoopState, step: int, rollout: Rollout, upda
     state.seconds["update"] += update_seconds
     state.trajectories_offset = rollout.log_offset
     state.next_step = step + 1
+    state.next_prompt = rollout.next_prompt
     started = time.perf_counter()
     loop.checkpoints.save(state.checkpointed())
     state.seconds["checkpoint"] += time.perf_counter() - started

@@ -10,6 +10,11 @@ Where this departs from the DeepSeekMath GRPO objective (Shao et al. 2024, eq. 3
 - With one optimizer step per rollout the rollout policy *is* the current policy, so its
   log-probs are the detached current ones (ratio 1, clip inactive, same gradient) and no extra
   forward is spent; with several steps per rollout they are computed once before the first step.
+  When the sampler truncates its distribution (top_k / top_p / min_p), the old log-probs are
+  the sampler's own under that truncated, renormalized distribution, so the ratio is taken
+  against what was really sampled from (it is then <= 1 on kept tokens at the first step).
+- With `mask_truncated_completions`, completions that hit max_new_tokens add no loss and do not
+  count in the loss denominator (sequences or tokens); their advantages are computed with them.
 - Any failure rolls the adapter and optimizer back to before the rollout's update; an
   out-of-memory error is retried once at half the micro-batch.
 Shapes: N sequences per micro-batch, T completion tokens (right-padded), B groups of G.
@@ -64,11 +69,13 @@ class UpdateRecord:
     grad_norms: list[float] = field(default_factory=list)
     kl_sum: float = 0.0
     clipped_tokens: int = 0
+    masked_sequences: int = 0  # forwarded for their group but adding no loss (truncated)
 
     def summary(self) -> dict:
         return {
             "update_count": self.update_count,
             "sequences": self.sequences,
+            "masked_truncated_sequences": self.masked_sequences,
             "tokens": self.tokens,
             "loss": self.losses,
             "grad_norm": self.grad_norms,
@@ -169,25 +176,30 @@ def _backward_micro_batch(step: _Step, micro: list[int], denominator: int,
     logp = step.logprobs(packed)
     advantages = torch.tensor([step.batch.advantages[i] for i in micro], device=step.device,
                               dtype=logp.dtype)
+    # mask_truncated_completions: a cut-off completion's tokens leave the loss (and its
+    # denominator) but stay in their group's advantages, computed before the update.
+    contributes = torch.tensor([step.batch.contributing(i) for i in micro], device=step.device,
+                               dtype=packed.completion_mask.dtype)  # [N]
+    mask = packed.completion_mask * contributes[:, None]  # [N, T]
     loss, kl, was_clipped = objectives.micro_batch_loss(
-        logp, _old_logprobs(step, logp, micro), ref_logp, advantages, packed.completion_mask,
+        logp, _old_logprobs(step, logp, micro), ref_logp, advantages, mask,
         clip_epsilon=settings.clip_epsilon, kl_coef=settings.kl_coef,
         aggregation=settings.loss_aggregation, denominator=denominator)
     if not torch.isfinite(loss):
         raise NonFiniteUpdate(f"non-finite loss {loss.item()} at update {record.update_count}")
     loss.backward()
-    mask = packed.completion_mask
     record.kl_sum += float((kl.detach() * mask).sum())
     record.clipped_tokens += int((was_clipped & mask.bool()).sum())
     record.tokens += int(mask.sum())
     record.sequences += len(micro)
+    record.masked_sequences += len(micro) - int(contributes.sum())
     return loss.item()
 
 
 def _optimizer_step(step: _Step, optimizer, parameters, rows: list[int], record: UpdateRecord,
                     advance=None) -> None:
     optimizer.zero_grad(set_to_none=True)
-    lengths = [len(step.batch.completion_token_ids[i]) for i in rows]
+    lengths = [len(step.batch.completion_token_ids[i]) for i in rows if step.batch.contributing(i)]
     denominator = objectives.loss_denominator(lengths, step.settings.loss_aggregation)
     step_loss = 0.0
     for micro in micro_batches(step.batch, rows, step.settings.micro_batch_size):
@@ -222,7 +234,12 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
     plan = step_plan(batch, settings.groups_per_update)
     step = _Step(model, batch, settings, pad_id, reference_mode,
                  next(model.parameters()).device, {})
-    if len(plan) > 1:  # later steps need the rollout policy's log-probs, fixed before step one
+    if batch.old_logprobs is not None:
+        # The sampler drew from a truncated distribution (top_k / top_p / min_p): that, not
+        # the trainer's full softmax, is the behaviour policy the ratio divides by.
+        step.old_logp = {i: torch.tensor(values, device=step.device, dtype=torch.float32)
+                         for i, values in enumerate(batch.old_logprobs)}
+    elif len(plan) > 1:  # later steps need the rollout policy's log-probs, fixed before step one
         step.old_logp = rollout_logprobs(step, [i for rows in plan for i in rows])
     for rows in plan:
         _optimizer_step(step, optimizer, parameters, rows, record, advance)

@@ -1,0 +1,209 @@
+"""Reward functions: the weighted components a training completion is scored by.
+
+Pure Python (no torch), like the verifiers. A run's `rewards` names its components with weights,
+as TRL's `reward_funcs` + `reward_weights` do; the built-in ones are
+
+- `correctness`: the task's verifier (the only component the delivery decision ever reads: the
+  re-test's mean reward and pass@group are correctness alone);
+- `format`: 1.0 when the completion's last non-blank line is the answer in the expected form
+  (`Answer: <number>` or `#### <number>`), else 0.0;
+- `overlong`: DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), a
+  penalty that grows linearly over the last `overlong_buffer_len` tokens of the budget;
+
+and `module:function` is a user's pure-Python `(completion, reference) -> float`, run under a
+time limit; an exception, a timeout or a non-finite result scores 0.0 and is counted.
+Every component has a `version`; the weighted total is `math.fsum(weight * value)`.
+
+>>> format_reward("so 3 + 4 = 7\\nAnswer: 7")
+1.0
+>>> format_reward("The answer is 7.")
+0.0
+>>> soft_overlong_punishment(10, max_new_tokens=48, buffer_len=16)
+0.0
+>>> soft_overlong_punishment(40, max_new_tokens=48, buffer_len=16)
+-0.5
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import math
+import re
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from grpogate.config import BUILT_IN_REWARDS, USER_REWARD_PATH
+
+CORRECTNESS, FORMAT, OVERLONG = BUILT_IN_REWARDS
+FORMAT_VERSION = "format-final-answer-line-v1"
+# The last non-blank line is "Answer: N" (any case) or "#### N"; N a plain or separated number.
+# One fixed-width scan of a single line: linear in its length.
+_FORMATTED_LINE = re.compile(r"(?:answer:|####)[ \t]*[-+]?\$?[0-9][0-9,]*(?:\.[0-9]+)?\.?[ \t]*",
+                             re.ASCII | re.IGNORECASE)
+
+
+def format_reward(completion: Any, reference: Any = None) -> float:
+    """1.0 when the last non-blank line is `Answer: <number>` or `#### <number>`, else 0.0."""
+    if not isinstance(completion, str):
+        return 0.0
+    lines = [line for line in completion.splitlines() if line.strip()]
+    return 1.0 if lines and _FORMATTED_LINE.fullmatch(lines[-1].strip()) else 0.0
+
+
+def soft_overlong_punishment(completion_tokens: int, *, max_new_tokens: int, buffer_len: int,
+                             penalty_factor: float = 1.0) -> float:
+    """DAPO's length penalty: 0 up to max_new_tokens - buffer_len tokens, then falling linearly
+    to -penalty_factor at max_new_tokens, and -penalty_factor beyond it."""
+    expected = max_new_tokens - buffer_len
+    if completion_tokens <= expected:
+        return 0.0
+    if completion_tokens <= max_new_tokens:
+        return (expected - completion_tokens) / buffer_len * penalty_factor
+    return -penalty_factor
+
+
+class TimeLimitExceeded(BaseException):
+    """A user reward function ran past its time limit. A BaseException, so that a user
+    function's own `except Exception` cannot swallow it and run on."""
+
+
+def call_with_time_limit(function: Callable, args: tuple, seconds: float) -> Any:
+    """`function(*args)`, stopped after `seconds`: by a timer signal on the main thread (which
+    interrupts Python bytecode; a single long C call is interrupted when it returns), else by
+    abandoning a daemon worker thread. Raises TimeLimitExceeded."""
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        def expire(signum, frame):
+            raise TimeLimitExceeded(f"over {seconds} s")
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return function(*args)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as error:  # handed to the caller below
+            outcome["error"] = error
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeLimitExceeded(f"over {seconds} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def load_user_reward(path: str) -> tuple[Callable, str]:
+    """(function, version) of a `module:function` path; the version pins the module's source by
+    sha256, so editing the function changes every trajectory's identity. ValueError when the
+    module or function cannot be found."""
+    module_name, _, function_name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # any import-time failure is the user's input error
+        raise ValueError(f"cannot import module {module_name!r} ({type(error).__name__}: "
+                         f"{error}); put it on PYTHONPATH") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ValueError(f"module {module_name!r} has no function {function_name!r}")
+    try:
+        source = inspect.getsource(module).encode("utf-8")
+    except (OSError, TypeError):
+        raise ValueError(f"module {module_name!r} has no readable source to version it by") from None
+    return function, f"{path}@sha256:{hashlib.sha256(source).hexdigest()[:16]}"
+
+
+@dataclass
+class RewardSet:
+    """The run's reward components, their weights and versions, and the errors they caused."""
+
+    weights: dict[str, float]  # component name -> weight, in the configured order
+    versions: dict[str, str]
+    functions: dict[str, Callable]  # (completion, reference, completion_tokens) -> float
+    user_time_limit_seconds: float = 1.0
+    error_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def error_count(self) -> int:
+        return sum(self.error_counts.values())
+
+    def score(self, completion: Any, reference: Any, completion_tokens: int,
+              correctness: float) -> dict[str, float]:
+        """Every component's value; `correctness` is the verifier's reward, scored by the caller
+        (the verifier keeps its own error count)."""
+        values = {}
+        for name in self.weights:
+            values[name] = (float(correctness) if name == CORRECTNESS else
+                            self._guarded(name, completion, reference, completion_tokens))
+        return values
+
+    def _guarded(self, name: str, completion: Any, reference: Any, tokens: int) -> float:
+        function = self.functions[name]
+        try:
+            if USER_REWARD_PATH.fullmatch(name):
+                value = call_with_time_limit(function, (completion, reference),
+                                             self.user_time_limit_seconds)
+            else:
+                value = function(completion, reference, tokens)
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"non-finite reward {value!r}")
+        except (Exception, TimeLimitExceeded):  # user code: any failure scores 0 and is counted
+            self.error_counts[name] = self.error_counts.get(name, 0) + 1
+            return 0.0
+        return value
+
+    def total(self, values: dict[str, float]) -> float:
+        return math.fsum(self.weights[name] * values[name] for name in self.weights)
+
+    def describe(self) -> list[dict]:
+        return [{"name": name, "weight": weight, "version": self.versions[name]}
+                for name, weight in self.weights.items()]
+
+
+def build_reward_set(specs: list[dict], verifier_version: str, *, max_new_tokens: int,
+                     overlong_buffer_len: int, overlong_penalty_factor: float,
+                     user_time_limit_seconds: float) -> RewardSet:
+    """The RewardSet of validated `rewards` entries ({"name", "weight"}); no entries means
+    correctness alone with weight 1. ValueError when a user function cannot be loaded."""
+    specs = specs or [{"name": CORRECTNESS, "weight": 1.0}]
+    weights, versions, functions = {}, {}, {}
+    for spec in specs:
+        name = spec["name"]
+        weights[name] = float(spec["weight"])
+        if name == CORRECTNESS:
+            versions[name], functions[name] = verifier_version, None
+        elif name == FORMAT:
+            versions[name] = FORMAT_VERSION
+            functions[name] = lambda completion, reference, tokens: format_reward(completion)
+        elif name == OVERLONG:
+            versions[name] = (f"dapo-soft-overlong-v1(max_new_tokens={max_new_tokens},"
+                              f"buffer_len={overlong_buffer_len},"
+                              f"penalty_factor={overlong_penalty_factor!r})")
+            functions[name] = lambda completion, reference, tokens: soft_overlong_punishment(
+                tokens, max_new_tokens=max_new_tokens, buffer_len=overlong_buffer_len,
+                penalty_factor=overlong_penalty_factor)
+        else:
+            functions[name], versions[name] = load_user_reward(name)
+    return RewardSet(weights, versions, functions, user_time_limit_seconds)
+
+
+def reward_set_from_config(config: dict, verifier_version: str) -> RewardSet:
+    """The run's RewardSet from its (stored) configuration dict: the run and the audit both
+    build it here, so they score with the same functions."""
+    return build_reward_set(
+        config.get("rewards") or [], verifier_version, max_new_tokens=config["max_new_tokens"],
+        overlong_buffer_len=config.get("overlong_buffer_len", 0),
+        overlong_penalty_factor=config.get("overlong_penalty_factor", 1.0),
+        user_time_limit_seconds=config.get("reward_time_limit_seconds", 1.0))
