@@ -25,6 +25,7 @@ from grpogate.config import Gates, RunConfig, TaskConfig, validate
 from grpogate.files import (atomic_write_bytes, atomic_write_json, jsonl_bytes, policy_version,
                             safetensors_sha256)
 from grpogate.inputs.rewards import reward_set_from_config
+from grpogate.inputs.tasks import problem_records
 from grpogate.inputs.verifiers import get_verifier
 
 TRAIN_QUESTIONS = [("Ann has 3 apples and buys 4 more. How many?", 7),
@@ -171,6 +172,8 @@ def write_synthetic_run(root: Path, **gates) -> Path:
                      "new_policy_version": candidate_version},
     }
     evidence = assemble_evidence(facts, config.to_dict(), steps, trajectories, eval_records)
+    atomic_write_bytes(run_dir / "problems.jsonl",
+                       jsonl_bytes(problem_records(config.task, train, eval_set)))
     atomic_write_bytes(run_dir / "eval_completions.jsonl", jsonl_bytes(eval_records))
     atomic_write_json(run_dir / "evidence.json", evidence)
     atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))

@@ -2,11 +2,14 @@
 
 import hashlib
 import json
+import os
+from pathlib import Path
 
 import pytest
 from synthetic_run import SYNTHETIC_ADAPTER, safetensors_bytes, write_synthetic_run
 from typer.testing import CliRunner
 
+import grpogate
 from grpogate.evidence import decisions
 from grpogate.evidence import metrics
 from grpogate.evidence.assemble import (dynamic_sampling_section, generation_rounds,
@@ -124,14 +127,53 @@ def test_flipped_eval_reward_is_named(run_dir):
     assert "comparison.paired.reward_mean_gain.point" in named
 
 
-def test_changed_dataset_file_is_named(run_dir, tmp_path):
-    data = tmp_path / "data" / "train.jsonl"
-    data.write_text(data.read_text().replace("#### 25", "#### 26"))
+def test_a_copied_run_decides_without_its_dataset_or_task_generator(run_dir, tmp_path):
+    """The run directory alone is enough: copied elsewhere, its dataset deleted and the
+    reasoning-gym generator unimportable, a fresh interpreter's audit still agrees."""
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "elsewhere" / "copied-run"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(tmp_path / "data")
+    shutil.rmtree(run_dir)
+    code = ("import sys\n"
+            "sys.modules['reasoning_gym'] = None  # import reasoning_gym now raises ImportError\n"
+            "from grpogate.evidence.audit import audit_run\n"
+            f"audit = audit_run({str(copy)!r})\n"
+            "assert audit['agrees'] and audit['mismatches'] == [], audit['mismatches']\n")
+    # The interpreter imports this checkout's grpogate, whatever the working directory.
+    source = str(Path(grpogate.__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=tmp_path,
+                   env={**os.environ, "PYTHONPATH": source})
+
+
+def test_a_changed_reference_answer_is_named(run_dir):
+    # problems.jsonl line 4 is the last train prompt (answer 25): its correct completion is
+    # trajectories line 14 ("So the total is 25."), which no longer scores 1 against 26.
+    path = run_dir / "problems.jsonl"
+    record = json.loads(path.read_text().splitlines()[3])
+    assert record["split"] == "train" and record["reference"].endswith("#### 25")
+    rewrite_line(path, 4, reference=record["reference"].replace("#### 25", "#### 26"))
     named = fields(audit_run(run_dir))
-    assert "inputs.train_set.sha256" in named
+    assert "files.problems.jsonl sha256" in named
     assert "inputs.train_set.problem_set_sha256" in named
-    # The last train prompt's one correct completion (line 14) no longer scores 1.
     assert "trajectories.jsonl:14 reward" in named
+
+
+def test_a_prompt_id_that_is_not_its_questions_hash_is_named(run_dir):
+    rewrite_line(run_dir / "problems.jsonl", 1, question="A different question?")
+    named = fields(audit_run(run_dir))
+    assert any(f.startswith("problems.jsonl (problems.jsonl:1: prompt_id") for f in named), named
+
+
+def test_a_missing_problems_file_is_named(run_dir):
+    (run_dir / "problems.jsonl").unlink()
+    audit = audit_run(run_dir)
+    assert "problems.jsonl (missing)" in fields(audit)
+    assert "files.problems.jsonl (missing)" in fields(audit)
+    assert audit["decision"] == "reject"
 
 
 def test_not_a_run_directory(tmp_path):

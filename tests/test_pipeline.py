@@ -72,19 +72,23 @@ def test_run_writes_every_file_and_the_manifest_pins_them(finished):
 
 
 def test_tensorboard_events_carry_every_step(finished):
-    from grpogate.evidence.tensorboard import read_scalars
+    """Read back with the tensorboard package itself, at the terminal's step numbers 1..N."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     config, run_dir, _ = finished
-    files = list(Path(config.tensorboard).glob("events.out.tfevents.*"))
-    assert len(files) == 1
-    scalars = read_scalars(files[0])
+    assert len(list(Path(config.tensorboard).glob("events.out.tfevents.*"))) == 1
+    events = EventAccumulator(config.tensorboard)
+    events.Reload()
     steps = load_evidence(run_dir)["steps"]
-    rewards = [(step, value) for step, tag, value in scalars if tag == "train/reward"]
-    assert [step for step, _ in rewards] == list(range(STEPS))
-    for (_, value), record in zip(rewards, steps):
-        assert value == pytest.approx(record["mean_reward"], rel=1e-6)  # stored as float32
-    assert {tag for _, tag, _ in scalars} >= {"train/valid_group_ratio", "update/mean_kl",
-                                              "update/clip_fraction", "time/rollout_seconds"}
+    rewards = events.Scalars("train/reward")
+    assert [event.step for event in rewards] == list(range(1, STEPS + 1))
+    for event, record in zip(rewards, steps):
+        assert event.value == pytest.approx(record["mean_reward"], rel=1e-6)  # stored as float32
+    assert set(events.Tags()["scalars"]) >= {"train/valid_group_ratio", "update/mean_kl",
+                                             "update/clip_fraction", "time/rollout_seconds",
+                                             "decision/accept", "final/reward_mean_gain"}
+    verdict = load_evidence(run_dir)["decision"]["decision"]
+    assert events.Scalars(f"decision/{verdict}")[-1].value == 1.0
 
 
 def test_trajectories_are_complete_and_carry_their_step_policy_version(finished):

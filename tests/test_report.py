@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from grpogate.evidence.audit import audit_run
 from grpogate.cli import app
-from grpogate.evidence.report import FIGURES, write_report
+from grpogate.evidence.report import FIGURE_NAMES, SECTIONS, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -61,8 +61,8 @@ def test_report_is_self_contained_and_shows_every_part(run_dir):
     text = path.read_text()
     page = parse(text)
     pngs = embedded_pngs(page)
-    assert len(pngs) == len(FIGURES)
-    on_disk = {(run_dir / f"report_{name}.png").read_bytes() for name, _, _ in FIGURES}
+    assert len(pngs) == len(FIGURE_NAMES)
+    on_disk = {(run_dir / f"report_{name}.png").read_bytes() for name in FIGURE_NAMES}
     assert all(png.startswith(PNG_SIGNATURE) for png in pngs)
     assert set(pngs) == on_disk  # the PNGs beside the report are the embedded ones
     # No external request: no URL, no script, no stylesheet link, no src/href but data: URIs.
@@ -99,7 +99,7 @@ def test_report_escapes_text_and_survives_a_run_without_steps(run_dir):
     (run_dir / "evidence.json").write_text(json.dumps(evidence))
     text = write_report(run_dir).read_text()
     assert "<script>" not in text and "&lt;script&gt;" in text
-    assert len(embedded_pngs(parse(text))) == len(FIGURES)
+    assert len(embedded_pngs(parse(text))) == len(FIGURE_NAMES)
 
 
 def test_report_cli(run_dir, tmp_path):
@@ -141,27 +141,60 @@ def chromium(tmp_path, *arguments):
         capture_output=True, text=True, timeout=120, check=True)
 
 
+PROBE = """<script>addEventListener('load', () => document.body.setAttribute('data-probe',
+JSON.stringify({images: Array.from(document.images, i => [i.complete, i.naturalWidth, i.naturalHeight]),
+  sections: Array.from(document.querySelectorAll('h2[id]'), h => h.id),
+  fetched: performance.getEntriesByType('resource').map(r => r.name),
+  scrollWidth: document.documentElement.scrollWidth, innerWidth: window.innerWidth})));
+</script></body>"""
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (as root: "
                     "apt-get update && apt-get install -y chromium)")
-def test_report_renders_in_headless_chromium(run_dir, tmp_path):
+def test_report_renders_in_headless_chromium(tmp_path):
+    # A run with a failed gate, so the "what to try" section is there too.
+    run_dir = write_synthetic_run(tmp_path, minimum_reward_gain=0.9)
     path = write_report(run_dir)
-    # 1. The page as Chromium renders it: a screenshot that is not blank.
+    # 1. The page as Chromium renders it at 1400 px: a screenshot that is not blank.
     shot = tmp_path / "shot.png"
-    chromium(tmp_path, f"--screenshot={shot}", "--window-size=1200,3000", path.as_uri())
+    chromium(tmp_path, f"--screenshot={shot}", "--window-size=1400,3000", path.as_uri())
     from PIL import Image
 
     with Image.open(shot) as image:
-        assert image.size == (1200, 3000)
+        assert image.size == (1400, 3000)
         assert len(image.convert("RGB").getcolors(maxcolors=1 << 20) or []) > 50
-    # 2. Every image decoded: a copy of the page with a probe script reports, after the load
-    # event, each <img>'s complete flag and natural size (0 x 0 would be a broken image).
+    # 2. A copy of the page with a probe script reports, after the load event: each <img>'s
+    # complete flag and natural size (0 x 0 would be a broken image), the sections, every
+    # resource the page fetched (none may be outside the page) and its width (no sideways
+    # scrolling at 1400 px).
     probe = tmp_path / "probe.html"
-    probe.write_text(path.read_text().replace("</body>", (
-        "<script>addEventListener('load', () => document.body.setAttribute('data-images', "
-        "JSON.stringify(Array.from(document.images, i => [i.complete, i.naturalWidth, "
-        "i.naturalHeight]))));</script></body>")))
-    dom = chromium(tmp_path, "--virtual-time-budget=10000", "--dump-dom", probe.as_uri()).stdout
+    probe.write_text(path.read_text().replace("</body>", PROBE))
+    dom = chromium(tmp_path, "--virtual-time-budget=10000", "--window-size=1400,3000",
+                   "--dump-dom", probe.as_uri()).stdout
     body = next(attrs for tag, attrs in parse(dom).tags if tag == "body")
-    rendered = json.loads(body["data-images"])
-    assert len(rendered) == len(FIGURES)
-    assert all(complete and width >= 100 and height >= 100 for complete, width, height in rendered)
+    found = json.loads(body["data-probe"])
+    assert len(found["images"]) == len(FIGURE_NAMES)
+    assert all(complete and width >= 100 and height >= 100
+               for complete, width, height in found["images"])
+    assert found["sections"] == list(SECTIONS)
+    assert [name for name in found["fetched"] if not name.startswith("data:")] == []
+    assert found["scrollWidth"] <= found["innerWidth"] == 1400
+
+
+def test_report_shows_the_configuration_completions_and_what_to_try(tmp_path):
+    run_dir = write_synthetic_run(tmp_path, minimum_reward_gain=0.9)  # 0.375 gain: reward fails
+    visible = "".join(parse(write_report(run_dir).read_text()).text)
+    assert f"grpogate decide {run_dir}" in visible
+    config = json.loads((run_dir / "evidence.json").read_text())["config"]
+    assert "2 x 2 x 4" in visible  # steps x prompts per step x G of the synthetic run
+    assert f"KL coefficient (beta){config['kl_coef']}" in visible
+    assert f"{config['learning_rate']}, {config['weight_decay']}" in visible
+    assert "What to try" in visible and "reward: the re-test mean reward did not gain" in visible
+    assert "pass_at_group:" not in visible  # 0.5 >= its gate 0: no advice for a passing gate
+    # Real completions with their question and reference: the candidate's best on the first
+    # eval prompt reads "So the total is 7." against "#### 7" (synthetic_run.py).
+    assert "candidate, best: reward 1" in visible and "So the total is 7." in visible
+    assert "Sue bakes 9 cakes and sells 2. How many are left?" in visible
+    assert "Where baseline and candidate differ most" in visible
+    # Memory on the CPU: one row, not three copies of the resident set.
+    assert visible.count("peak resident set") == 1 and "peak allocated" not in visible

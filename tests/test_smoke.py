@@ -22,11 +22,11 @@ def smoke_run(tmp_path_factory):
         [sys.executable, "-m", "grpogate.cli", "run", "--profile", "smoke", "--out", str(out)],
         capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out, result.stdout
+    return out, result.stdout, result.stderr
 
 
 def test_smoke_run_writes_consistent_evidence(smoke_run):
-    out, stdout = smoke_run
+    out, stdout, _ = smoke_run
     evidence = json.loads((out / "evidence.json").read_text())
     manifest = json.loads((out / "manifest.json").read_text())
     trajectories = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
@@ -56,9 +56,21 @@ def test_smoke_run_writes_consistent_evidence(smoke_run):
 
 
 def test_decide_agrees_with_the_smoke_run(smoke_run):
-    out, _ = smoke_run
+    out, _, _ = smoke_run
     result = subprocess.run([sys.executable, "-m", "grpogate.cli", "decide", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["decision"] in result.stdout
+
+
+def test_smoke_run_is_portable_and_quiet(smoke_run):
+    """The adapter names SmolLM2 by its public id, the problems travel with the run, and the
+    terminal shows no library noise (weights-loading bar, transformers FutureWarning)."""
+    out, stdout, stderr = smoke_run
+    adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "problems.jsonl" in manifest["files"]
+    assert "Loading weights" not in stdout + stderr, stderr[-3000:]
+    assert "FutureWarning" not in stdout + stderr, stderr[-3000:]

@@ -40,7 +40,7 @@ def test_policy_and_task_specs():
                                                            "name": "chain_sum"}
     assert parse_tasks_spec("gsm8k:data/gsm8k") == {"source": "gsm8k", "path": "data/gsm8k"}
     for bad in ("chain_sum", "gsm8k:", "hub:x"):
-        with pytest.raises(InputError, match="--tasks"):
+        with pytest.raises(InputError, match="--task "):
             parse_tasks_spec(bad)
     with pytest.raises(InputError, match="--policy"):
         parse_policy_spec("+adapter")
@@ -165,3 +165,37 @@ def test_eval_cli_writes_a_file_and_never_overwrites(tiny_model_dir, tmp_path):
     assert document["metrics"] == metrics.summarize_completions(document["records"], 2, 4)
     again = CliRunner().invoke(app, arguments)
     assert again.exit_code == 2 and "already exists" in again.output
+
+
+def test_exclude_run_refuses_eval_prompts_the_run_trained_on(tmp_path, monkeypatch):
+    """A run whose training set holds 2 of the 4 eval prompts: eval refuses before loading."""
+    import json as json_module
+
+    from typer.testing import CliRunner
+
+    from grpogate.cli import app
+    from grpogate.config import load_config
+    from grpogate.inputs.tasks import load_eval_set
+    from grpogate.standalone_eval import refuse_trained_prompts
+
+    config = load_config("default", eval_prompts=4)
+    eval_set, _ = load_eval_set(config.task, 4)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines = [{"prompt_id": p.prompt_id, "split": "train"} for p in eval_set[:2]]
+    lines.append({"prompt_id": eval_set[3].prompt_id, "split": "eval"})  # eval split: allowed
+    (run_dir / "problems.jsonl").write_text("".join(json_module.dumps(r) + "\n" for r in lines))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["eval", "--policy", "bundled:SmolLM2-135M-Instruct",
+                                      "--eval-prompts", "4", "--exclude-run", str(run_dir),
+                                      "--out", "eval.json"])
+    assert result.exit_code == 2, result.output
+    assert "2 of 4 eval prompts were trained on" in result.output
+    assert not (tmp_path / "eval.json").exists()
+    # The run's eval split does not count; a disjoint training set passes (2 ids checked).
+    (run_dir / "problems.jsonl").write_text(
+        "".join(json_module.dumps({"prompt_id": f"other{i}", "split": "train"}) + "\n"
+                for i in range(2)))
+    assert refuse_trained_prompts(eval_set, run_dir) == 2
+    with pytest.raises(InputError, match="not a run directory"):
+        refuse_trained_prompts(eval_set, tmp_path / "nothing")

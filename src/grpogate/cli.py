@@ -7,103 +7,124 @@ Exit codes: 0 the run finished and wrote its decision (whatever it is, unless
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from grpogate import cli_eval
 from grpogate.config import load_config
 from grpogate.errors import InputError
+from grpogate.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
+                               gates_table, progress_bars, quiet_libraries)
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="Auditable GRPO runs that end in an accept / tune / reject decision.")
-console = Console(highlight=False)
-DECISION_EXIT_CODES = {"accept": 0, "tune": 3, "reject": 4}
+config_app = typer.Typer(no_args_is_help=True, help="Show the configuration and what each key means.")
+app.add_typer(config_app, name="config")
 OUTPUT_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EFBIG)
-DECISION_STYLE = {"accept": "bold green", "tune": "bold yellow", "reject": "bold red"}
 
 
-class RichReporter:
-    """Progress bars for rollout, update and evaluation, and one log line per step."""
+def _hide_type_tags() -> None:
+    """Typer prints a type tag (<str>, <bool>, <list[str]>) beside every option that has no
+    metavar; a flag needs none and every value option here names its own metavar."""
+    from typer.core import TyperArgument, TyperOption
 
-    def __init__(self, progress: Progress):
-        self.progress = progress
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None:  # an older typer prints click's own metavars, no tags
+        return
 
-    @contextlib.contextmanager
-    def task(self, description: str, total: int):
-        task_id = self.progress.add_task(description, total=max(total, 1))
-        try:
-            yield lambda advance=1: self.progress.advance(task_id, advance)
-        finally:
-            self.progress.remove_task(task_id)
+    def display_type_rich(self, ctx):
+        if self.is_flag or self.metavar is None and self.name == "help":
+            return None
+        return shown(self, ctx)
 
-    def log(self, message: str) -> None:
-        self.progress.console.print(message)
+    TyperOption.display_type_rich = display_type_rich
+    TyperArgument.display_type_rich = lambda self, ctx: None  # the metavar is its name
+
+
+_hide_type_tags()
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        console.print(f"grpogate {version('grpogate')}")
+        raise typer.Exit()
 
 
 @app.callback()
-def main() -> None:
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the installed grpogate version and exit."),
+) -> None:
     """grpogate: GRPO with evidence and a delivery decision."""
-
-
-def _fail(error: Exception) -> None:
-    # escape: a message quoting "[gates]" or a path with brackets is text, not rich markup.
-    console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
-    raise typer.Exit(2)
-
-
-def gates_table(decision: dict) -> Table:
-    table = Table(title="delivery gates")
-    for column in ("check", "value", "threshold", "result", "on fail"):
-        table.add_column(column)
-    for row in decision["checks"]:
-        value = row["value"]
-        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
-        result = "[green]pass" if row["passed"] else "[red]FAIL"
-        table.add_row(row["name"], shown, str(row["threshold"]), result, row["on_fail"])
-    return table
+    quiet_libraries()
 
 
 @app.command()
 def run(
-    profile: Optional[str] = typer.Option(None, help="Packaged profile: default, smoke, "
-                                          "gsm8k_qwen05b (default: default)."),
-    config_file: str = typer.Option("", "--config", help="TOML file applied on top of the profile."),
-    gates_file: str = typer.Option("", "--gates", help="TOML or JSON file with a [gates] table "
-                                   "applied on top of --config."),
-    overrides: list[str] = typer.Option([], "--set", help="key=value override, e.g. task.params.max_digits=3."),
-    out: Optional[str] = typer.Option(None, help="Run directory (must not exist)."),
-    label: Optional[str] = typer.Option(None, help="Run label: outputs go to runs/<label>."),
-    model: Optional[str] = typer.Option(None, help="Bundled id, HF model directory, .gguf file or HF id."),
-    adapter: Optional[str] = typer.Option(None, help="Baseline LoRA adapter directory (PEFT, safetensors)."),
-    baseline_manifest: Optional[str] = typer.Option(None, help="Baseline manifest JSON (decision accept)."),
-    seed: Optional[int] = typer.Option(None, help="Run seed."),
-    device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
-    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or auto."),
+    profile: Optional[str] = typer.Option(None, metavar="NAME", help="Packaged profile: default, "
+                                          "smoke, gsm8k_qwen05b (default: default)."),
+    config_file: str = typer.Option("", "--config", metavar="FILE",
+                                    help="TOML file applied on top of the profile."),
+    gates_file: str = typer.Option("", "--gates", metavar="FILE", help="TOML or JSON file with "
+                                   "one \\[gates] table, applied on top of --config."),
+    overrides: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help="Override any "
+                                        "config key, e.g. task.params.max_digits=3 (grpogate "
+                                        "config show lists them)."),
+    out: Optional[str] = typer.Option(None, metavar="DIR", help="Run directory (must not exist)."),
+    label: Optional[str] = typer.Option(None, metavar="LABEL",
+                                        help="Run label: outputs go to runs/LABEL."),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Base model: bundled id, HF "
+                                        "model directory, .gguf file or HF id."),
+    adapter: Optional[str] = typer.Option(None, metavar="DIR", help="Baseline LoRA adapter "
+                                          "directory (PEFT, safetensors) to start from."),
+    task: Optional[str] = typer.Option(None, metavar="SOURCE:NAME", help=cli_eval.TASK_HELP),
+    steps: Optional[int] = typer.Option(None, metavar="N", help="Training steps (sets "
+                                        "train_prompts = N x prompts_per_step)."),
+    group_size: Optional[int] = typer.Option(None, metavar="G",
+                                             help="Completions sampled per prompt."),
+    learning_rate: Optional[float] = typer.Option(None, "--lr", metavar="LR",
+                                                  help="AdamW learning rate of the LoRA weights."),
+    max_new_tokens: Optional[int] = typer.Option(None, metavar="N",
+                                                 help="Completion token budget."),
+    baseline_manifest: Optional[str] = typer.Option(
+        None, metavar="FILE", help="An accepted run's manifest.json to start from."),
+    seed: Optional[int] = typer.Option(None, metavar="N", help="Run seed."),
+    device: Optional[str] = typer.Option(None, metavar="auto|cpu|cuda", help="Device."),
+    dtype: Optional[str] = typer.Option(None, metavar="float32|bfloat16|auto",
+                                        help="Base weights dtype."),
+    report_to: Optional[str] = typer.Option(
+        None, "--report-to", metavar="NAMES", help="Also log per-step scalars, the decision and "
+        "gains to trackers: tensorboard, mlflow, wandb, trackio (comma-separated)."),
     tensorboard: Optional[str] = typer.Option(
         None, "--tensorboard", metavar="DIR",
-        help="Also write the per-step scalars as TensorBoard event files into DIR."),
+        help="Write the TensorBoard event files into DIR (implies --report-to tensorboard)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check config, inputs and environment only."),
     resume: Optional[str] = typer.Option(
-        None, "--resume", help="Continue the run in this directory from its last checkpoint, "
-        "with its stored config (other options may only repeat it)."),
+        None, "--resume", metavar="RUN_DIR", help="Continue the run in this directory from its "
+        "last checkpoint, with its stored config (other options may only repeat it)."),
     exit_code_from_decision: bool = typer.Option(
-        False, help="Exit 0 on accept, 3 on tune, 4 on reject."),
+        False, "--exit-code-from-decision", help="Exit 0 on accept, 3 on tune, 4 on reject."),
 ) -> None:
     """Run admission, rollout, GRPO update, independent re-test and delivery."""
     from grpogate import pipeline
     from grpogate.interrupts import RunInterrupted, exit_code
 
-    named = dict(model=model, adapter=adapter, baseline_manifest=baseline_manifest, seed=seed,
-                 device=device, dtype=dtype, tensorboard=tensorboard)
+    from grpogate.standalone_eval import parse_tasks_spec
+
     config = None
     try:
+        named = dict(model=model, adapter=adapter, baseline_manifest=baseline_manifest, seed=seed,
+                     device=device, dtype=dtype, tensorboard=tensorboard, steps=steps,
+                     group_size=group_size, learning_rate=learning_rate,
+                     max_new_tokens=max_new_tokens, report_to=report_to,
+                     task=parse_tasks_spec(task) if task else None)
         if resume is not None:
             config = _resume_config(resume, out, label, dry_run, profile, config_file, gates_file,
                                     overrides, named)
@@ -115,21 +136,19 @@ def run(
             console.print_json(json.dumps(report))
             console.print("[green]dry run passed:[/] configuration, inputs and environment are usable")
             return
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=False) as progress:
+        with progress_bars() as progress:
             if resume is not None:
                 evidence = pipeline.resume(resume, config, RichReporter(progress))
             else:
                 evidence = pipeline.run(config, RichReporter(progress))
     except InputError as error:
-        _fail(error)
+        fail(error)
     except OSError as error:
         if error.errno not in OUTPUT_ERRNOS:
             raise
         # A full or read-only disk is the environment's fault: say which file and the OS's
         # reason; whatever checkpoint was complete before it stays resumable.
-        _fail(InputError(f"{error.filename or 'output'}: {error.strerror}; free space or choose "
+        fail(InputError(f"{error.filename or 'output'}: {error.strerror}; free space or choose "
                          "another --out (a started run continues with --resume)"))
     except RunInterrupted as interrupted:
         console.print(f"[bold red]{escape(str(interrupted))}")
@@ -141,6 +160,13 @@ def run(
         console.print(f"[bold red]stopped at once;[/] continue from the last checkpoint with "
                       f"`grpogate run --resume {escape(run_dir)}`", soft_wrap=True)
         raise typer.Exit(130)
+    _print_run_result(evidence, exit_code_from_decision)
+
+
+def _print_run_result(evidence: dict, exit_code_from_decision: bool) -> None:
+    """The gates table, the re-test line and the decision; exits with the run's code."""
+    from grpogate.interrupts import exit_code
+
     decision = evidence["decision"]
     console.print(gates_table(decision))
     comparison = evidence["comparison"]
@@ -161,7 +187,8 @@ def run(
     style = DECISION_STYLE[decision["decision"]]
     failed = ", ".join(decision["failed_checks"]) or "none"
     console.print(f"decision: [{style}]{decision['decision']}[/] (failed checks: {failed})")
-    console.print(f"evidence: {evidence['run_dir']}/manifest.json")
+    console.print(f"evidence: {evidence['run_dir']}/manifest.json (re-check: grpogate decide "
+                  f"{evidence['run_dir']})", soft_wrap=True)
     if evidence["interruption"]:
         stopped = evidence["interruption"]
         console.print(f"[bold red]interrupted by {stopped['signal']}[/] {stopped['safe_point']} "
@@ -192,7 +219,8 @@ def _resume_config(run_dir: str, out, label, dry_run: bool, profile, config_file
 
 @app.command()
 def decide(
-    run_dir: str = typer.Argument(..., help="A finished run directory (evidence.json, manifest.json)."),
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR",
+                                  help="A finished run directory (evidence.json, manifest.json)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full audit as JSON."),
     replay: int = typer.Option(0, "--replay", metavar="N", min=0,
                                help="Also regenerate the re-test completions of the first N eval "
@@ -227,7 +255,7 @@ def decide(
                     {"field": f"signature ({problem})", "recorded": None, "recomputed": None}],
                     decision="reject", agrees=False)
     except InputError as error:
-        _fail(error)
+        fail(error)
     if as_json:
         console.print_json(json.dumps(audit))
     else:
@@ -261,116 +289,8 @@ def _short(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-@app.command("eval")
-def eval_policy(
-    policy: str = typer.Option(..., help="BASE[+ADAPTER]: bundled id, HF dir, .gguf or HF id, "
-                               "optionally + a PEFT adapter directory."),
-    out: str = typer.Option(..., help="Eval file to write (JSON; must not exist)."),
-    tasks: Optional[str] = typer.Option(None, help="reasoning-gym:NAME or gsm8k:PATH; default: "
-                                        "the profile's task."),
-    group_size: Optional[int] = typer.Option(None, help="Samples per prompt (default: the "
-                                             "profile's eval_group_size)."),
-    seed: Optional[int] = typer.Option(None, help="Sampling seed (default: run seed + 10000, "
-                                       "the seed of a run's re-test)."),
-    eval_prompts: Optional[int] = typer.Option(None, help="Number of eval prompts."),
-    profile: str = typer.Option("default", help="Packaged profile for task params and sampling."),
-    config_file: str = typer.Option("", "--config", help="TOML file applied on top of the profile."),
-    overrides: list[str] = typer.Option([], "--set", help="key=value override."),
-    device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
-    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or auto."),
-) -> None:
-    """Evaluate one policy alone: per-prompt records plus reduced metrics, for `grpogate compare`."""
-    from pathlib import Path
-
-    from grpogate.evidence.assemble import EVAL_SEED_OFFSET
-    from grpogate.files import atomic_write_json
-    from grpogate.standalone_eval import evaluate_standalone, parse_policy_spec, parse_tasks_spec
-
-    try:
-        if Path(out).exists():
-            raise InputError(f"{out}: already exists; choose a new --out")
-        base, adapter = parse_policy_spec(policy)
-        config = load_config(profile, config_file, overrides, model=base, adapter=adapter,
-                             device=device, dtype=dtype, eval_prompts=eval_prompts,
-                             eval_group_size=group_size,
-                             task=parse_tasks_spec(tasks) if tasks else None)
-        sampling_seed = seed if seed is not None else config.seed + EVAL_SEED_OFFSET
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True) as progress:
-            task_id = progress.add_task("evaluate", total=config.eval_prompts * config.eval_group_size)
-            document = evaluate_standalone(config, policy, sampling_seed,
-                                           lambda advance=1: progress.advance(task_id, advance))
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out, document)
-    except InputError as error:
-        _fail(error)
-    summary = document["metrics"]
-    console.print(f"{policy}: mean reward {summary['mean_reward']:.4f}, pass@{config.eval_group_size} "
-                  f"{summary['pass_at_group']:.4f}, max-length hit ratio "
-                  f"{summary['max_length_hit_ratio']:.4f} on {summary['prompt_count']} prompts "
-                  f"(seed {sampling_seed})")
-    console.print(f"policy version {document['policy']['policy_version']}; eval file: {out}")
-
-
-@app.command()
-def compare(
-    baseline_file: str = typer.Argument(..., help="Eval file A (the baseline)."),
-    candidate_file: str = typer.Argument(..., help="Eval file B (the candidate)."),
-    out: Optional[str] = typer.Option(None, help="Also write the comparison JSON here."),
-    resamples: int = typer.Option(2000, help="Bootstrap resamples."),
-    bootstrap_seed: int = typer.Option(0, help="Bootstrap seed."),
-    as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
-) -> None:
-    """Pair two eval files prompt by prompt: gains (B - A), bootstrap intervals, exact tests.
-
-    Refuses (exit 2) when their prompt ids, seeds, verifier versions or group sizes differ.
-    """
-    from pathlib import Path
-
-    from grpogate.files import atomic_write_json
-    from grpogate.standalone_eval import compare_evaluations
-
-    try:
-        if out and Path(out).exists():  # it may even be one of the inputs: never overwritten
-            raise InputError(f"{out}: already exists; choose a new --out for the comparison")
-        documents = []
-        for name in (baseline_file, candidate_file):
-            if not Path(name).is_file():
-                raise InputError(f"{name}: no such eval file")
-            try:
-                documents.append(json.loads(Path(name).read_text(encoding="utf-8")))
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise InputError(f"{name}: not valid JSON: {error}") from None
-        result = compare_evaluations(*documents, names=(baseline_file, candidate_file),
-                                     resamples=resamples, bootstrap_seed=bootstrap_seed)
-        if out:
-            atomic_write_json(out, result)
-    except InputError as error:
-        _fail(error)
-    if as_json:
-        console.print_json(json.dumps(result))
-        return
-    paired = result["paired"]
-    table = Table(title=f"paired comparison on {paired['prompt_count']} prompts (B - A)")
-    for column in ("metric", "A", "B", "gain", f"{paired['confidence']:.0%} bootstrap", "exact test p"):
-        table.add_column(column)
-    a, b = result["baseline"], result["candidate"]
-    tests = {"reward_mean_gain": ("mean_reward", paired["reward_mean_gain"]["sign_test"]["p_value"]),
-             "pass_at_group_gain": ("pass_at_group", paired["pass_at_group_gain"]["mcnemar"]["p_value"])}
-    for gain, (metric, p_value) in tests.items():
-        interval = paired[gain]
-        table.add_row(metric, f"{a[metric]:.4f}", f"{b[metric]:.4f}", f"{result[gain]:+.4f}",
-                      f"[{interval['low']:+.4f}, {interval['high']:+.4f}]", f"{p_value:.4g}")
-    table.add_row("mean length", f"{a['length']['mean']:.1f}", f"{b['length']['mean']:.1f}",
-                  f"{paired['length_mean_change']:+.1f}", "", "")
-    table.add_row("max-length hit ratio", f"{a['max_length_hit_ratio']:.4f}",
-                  f"{b['max_length_hit_ratio']:.4f}", f"{paired['max_length_hit_ratio_change']:+.4f}",
-                  "", "")
-    console.print(table)
-    console.print("exact tests: sign test on per-prompt mean reward, McNemar on per-prompt pass@group")
-    for warning in result["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}")
+app.command("eval")(cli_eval.eval_policy)
+app.command()(cli_eval.compare)
 
 
 @app.command()
@@ -384,14 +304,14 @@ def sign(
     try:
         path = sign_run(run_dir, key)
     except InputError as error:
-        _fail(error)
+        fail(error)
     console.print(f"signature: {path} (verify with `grpogate decide {run_dir} --verify-key PUB`)",
                   soft_wrap=True)
 
 
 @app.command()
 def report(
-    run_dir: str = typer.Argument(..., help="A run directory (evidence.json)."),
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="A run directory (evidence.json)."),
 ) -> None:
     """Write RUN_DIR/report.html (self-contained, images embedded) and the report_*.png beside it."""
     from pathlib import Path
@@ -404,8 +324,51 @@ def report(
         with RunDirLock(run_dir) if Path(run_dir).is_dir() else contextlib.nullcontext():
             path = write_report(run_dir)
     except InputError as error:
-        _fail(error)
+        fail(error)
     console.print(f"report: {path}")
+
+
+@config_app.command("show")
+def config_show(
+    profile: str = typer.Option("default", metavar="NAME", help="Packaged profile to show."),
+    config_file: str = typer.Option("", "--config", metavar="FILE",
+                                    help="TOML file applied on top of the profile."),
+    overrides: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help="Override a key."),
+    as_json: bool = typer.Option(False, "--json", help="Print the resolved config as JSON."),
+) -> None:
+    """Every configuration key: its value in the profile, its type and what it means."""
+    from grpogate.config_keys import describe_config
+
+    try:
+        config = load_config(profile, config_file, overrides)
+    except InputError as error:
+        fail(error)
+    if as_json:
+        console.print_json(json.dumps(config.to_dict() | {"steps": config.steps}))
+        return
+    # TOML, one key a line with its type and meaning as a comment: copy lines into --config.
+    section = ""
+    rows = describe_config(config)
+    # Top-level keys first: in TOML a key after [task] belongs to [task].
+    for key, value, type_name, meaning in sorted(rows, key=lambda row: "." in row[0]):
+        table, _, name = key.rpartition(".")
+        if table != section:
+            console.print(f"\n\\[{table}]", highlight=False)
+            section = table
+        line = f"{name} = {_toml_literal(value)}"
+        if key == "steps":  # derived: shown, not a key of its own in the file
+            line = "# " + line
+        console.print(f"{escape(line):<34} [dim]# {type_name}: {escape(meaning)}[/]", soft_wrap=True)
+
+
+def _toml_literal(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
 if __name__ == "__main__":

@@ -132,8 +132,10 @@ class RunConfig:
     mask_truncated_completions: bool = False
 
     seed: int = 42
-    # Directory for TensorBoard event files of the per-step scalars; empty: none written.
+    # Directory for TensorBoard event files of the per-step scalars; empty: none written
+    # (unless report_to names tensorboard: then <run dir>/tensorboard).
     tensorboard: str = ""
+    report_to: list = field(default_factory=list)  # TRL's name; see REPORTERS
     gates: Gates = field(default_factory=Gates)
 
     @property
@@ -203,7 +205,8 @@ SEED_LIMIT = 2**32
 
 def _leaves(config: RunConfig) -> list[tuple[str, Any]]:
     """(dotted name, value) of every plain field, nested tables flattened (task.params kept)."""
-    return [(name, value) for name, value in _flatten(config.to_dict()).items()]
+    return [(name, value) for name, value in flatten(config.to_dict()).items()]
+REPORTERS = ("tensorboard", "mlflow", "wandb", "trackio")  # report_to values, as TRL names them
 DTYPES = ("float32", "bfloat16", "auto")
 
 
@@ -259,6 +262,9 @@ def validate(config: RunConfig) -> RunConfig:
     need(config.task.source != "gsm8k" or bool(config.task.path),
          "task.path is required for gsm8k: a directory with train.jsonl/test.jsonl, a .jsonl file "
          "or a Hugging Face dataset id")
+    unknown = [name for name in config.report_to if name not in REPORTERS]
+    need(not unknown, f"report_to: unknown tracker {', '.join(map(repr, unknown))}; known: "
+         f"{', '.join(REPORTERS)} (comma-separated, or none)")
     need(not (config.baseline_manifest and config.adapter),
          "give either baseline_manifest or adapter, not both (the manifest names its adapter)")
     from grpogate.gates import validate_gates
@@ -374,7 +380,10 @@ def _coerce(current: Any, value: Any, where: str) -> Any:
         return str(value)
     elif isinstance(current, dict) and isinstance(value, dict):
         return dict(value)
-    elif isinstance(current, list) and isinstance(value, list):
+    elif isinstance(current, list) and isinstance(value, (str, list)):
+        # report_to: "a,b" on the command line; rewards: a TOML array of tables.
+        if isinstance(value, str):
+            return [n.strip() for n in value.split(",") if n.strip() and n.strip() != "none"]
         return [dict(item) if isinstance(item, dict) else item for item in value]
     raise InputError(f"{where}: expected {type(current).__name__}, got {value!r}")
 
@@ -403,17 +412,28 @@ def load_config(profile: str = "default", config_file: str = "", overrides: list
 
 def _apply_sources(config: RunConfig, config_file: str, gates_file: str, overrides,
                    named: dict) -> None:
-    """Apply, in precedence order: the config file, the gates file, --set overrides, flags."""
+    """Apply, in precedence order: the config file, the gates file, the --task flag, --set
+    overrides, the other flags. `steps` (from any of them, the last wins) is applied at the end:
+    it sets train_prompts = steps x prompts_per_step, whatever order the two were given in."""
+    named = dict(named)
+    steps, task_flag = named.pop("steps", None), named.pop("task", None)
     if config_file:
-        table = _read_toml(config_file)
-        _apply(config, table, config_file)
+        table = dict(_read_toml(config_file))
+        steps = table.pop("steps", steps)
+        gives_params = isinstance(table.get("task"), dict) and "params" in table["task"]
+        _switching_task(config, lambda: _apply(config, table, config_file), gives_params)
         if "gates" in table:
             _check_gates(config, config_file)
     if gates_file:
         _apply(config.gates, _read_gates_file(gates_file), f"{gates_file} [gates]")
         _check_gates(config, gates_file)
+    if task_flag is not None:
+        _switching_task(config, lambda: _apply(config.task, task_flag, "--task"), False)
     for text in overrides:
         keys, value = parse_override(text)
+        if keys == ["steps"]:
+            steps = value
+            continue
         table: dict = {}
         cursor = table
         for key in keys[:-1]:
@@ -423,17 +443,33 @@ def _apply_sources(config: RunConfig, config_file: str, gates_file: str, overrid
         if keys[:2] == ["task", "params"] and len(keys) == 3:
             config.task.params = {**config.task.params, keys[2]: value}
             continue
-        _apply(config, table, f"--set {text}")
+        _switching_task(config, lambda: _apply(config, table, f"--set {text}"),
+                        keys[:2] == ["task", "params"])
         if keys[0] == "gates":
             _check_gates(config, f"--set {text}")
     _apply(config, {k: v for k, v in named.items() if v is not None}, "command line")
+    if steps is not None:
+        count = _coerce(0, steps, "steps")
+        if count < 1:
+            raise InputError(f"steps: must be >= 1 (got {count})")
+        config.train_prompts = count * config.prompts_per_step
 
 
-def _flatten(table: dict, prefix: str = "") -> dict:
+def _switching_task(config: RunConfig, apply, gives_params: bool) -> None:
+    """Run `apply`; if it switched the task (source or name) without giving params, drop the
+    previous task's params: they are another generator's keyword arguments (chain_sum's
+    max_digits would make leg_counting fail, or worse, silently shape it)."""
+    before = (config.task.source, config.task.name)
+    apply()
+    if (config.task.source, config.task.name) != before and not gives_params:
+        config.task.params = {}
+
+
+def flatten(table: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in table.items():
         if isinstance(value, dict) and key != "params":
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
@@ -448,12 +484,12 @@ def resume_config(stored: dict, where: str, profile: str | None = None, config_f
     config = RunConfig()
     _apply(config, stored, f"{where} config")
     validate(config)
-    before = _flatten(config.to_dict())
+    before = flatten(config.to_dict())
     if profile is not None and profile != config.profile:
         raise InputError(f"--profile {profile}: the run was started with profile "
                          f"{config.profile!r}; a resumed run uses its stored config unchanged")
     _apply_sources(config, config_file, gates_file, overrides, named)
-    after = _flatten(config.to_dict())
+    after = flatten(config.to_dict())
     changed = [f"{key} (stored {before[key]!r}, given {after[key]!r})"
                for key in before if before[key] != after[key]]
     if changed:

@@ -37,10 +37,22 @@ def sha256_path(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def file_mode() -> int:
+    """The mode `open()` gives a new file under the current umask (0644 under umask 022).
+
+    os.umask can only be read by setting it, so it is set and put back at once."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        # mkstemp creates 0600; a run directory is meant to be shared and re-checked, so the
+        # file gets the mode any other new file would (the user's umask decides).
+        os.fchmod(handle, file_mode())
         with os.fdopen(handle, "wb") as stream:
             stream.write(data)
             stream.flush()
@@ -71,6 +83,8 @@ def atomic_directory(path: str | Path):
         yield staging
         for file in staging.iterdir():
             with open(file, "rb") as stream:
+                # Writers inside (safetensors writes its weights 0600) get the umask's mode.
+                os.fchmod(stream.fileno(), file_mode())
                 os.fsync(stream.fileno())
         fsync_directory(staging)
         if path.exists():

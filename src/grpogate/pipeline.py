@@ -29,8 +29,8 @@ import torch
 from grpogate.config import RunConfig, resume_config
 from grpogate.errors import InputError
 from grpogate.evidence.assemble import assemble_evidence, library_versions
-from grpogate.evidence.manifest import build_manifest, read_baseline_manifest
-from grpogate.evidence.tensorboard import TensorBoardWriter
+from grpogate.evidence.manifest import PROBLEMS_FILE, build_manifest, read_baseline_manifest
+from grpogate.evidence.trackers import Trackers, check_trackers
 from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, RunDirLock, atomic_directory, atomic_write_bytes,
                             atomic_write_json, create_run_dir, jsonl_bytes, read_jsonl,
                             refuse_existing_output, refuse_output_inside_a_run, remove_staging,
@@ -107,6 +107,7 @@ def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:
     if config.tensorboard and Path(config.tensorboard).is_file():
         raise InputError(f"tensorboard {config.tensorboard}: is a file; give a directory for the "
                          "events files")
+    check_trackers(config)
     model_spec, revision, adapter = config.model, config.model_revision, config.adapter
     baseline_version = ""
     if config.baseline_manifest:
@@ -162,14 +163,6 @@ def deliver_adapter(policy: Policy, run_dir: Path) -> str:
     """Write adapter/ through a staging directory and a rename; returns the weights' sha256."""
     with atomic_directory(run_dir / "adapter") as staging:
         adapter_sha = save_adapter(policy, staging)
-        # PEFT writes target_modules from a set, in an order that changes with the process's
-        # string-hash seed; sorted, the same run gives the same file (and manifest) every time.
-        config_file = staging / "adapter_config.json"
-        adapter_config = json.loads(config_file.read_text(encoding="utf-8"))
-        if isinstance(adapter_config.get("target_modules"), list):
-            adapter_config["target_modules"] = sorted(adapter_config["target_modules"])
-            config_file.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n",
-                                   encoding="utf-8")
     return adapter_sha
 
 
@@ -302,18 +295,13 @@ def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | Non
 
 
 def train_policy(admission: Admission, prepared: Prepared, opened: OpenRun, reporter,
-                 stop: StopRequest) -> None:
-    """The rollout / update loop, with per-step scalars to TensorBoard when asked."""
+                 stop: StopRequest, trackers: Trackers) -> None:
+    """The rollout / update loop; every finished step also goes to the trackers."""
     config = admission.config
     loop = Loop(prepared.policy, config, admission.verifier, admission.reward_set, admission.train,
                 prepared.train_prompts, opened.log, reporter, opened.run_label,
                 prepared.optimizer, stop, opened.checkpoints)
-    # A resumed run opens a new events file in the same directory; TensorBoard merges them.
-    with (TensorBoardWriter(config.tensorboard) if config.tensorboard
-          else contextlib.nullcontext()) as tensorboard:
-        if tensorboard is not None:
-            reporter.log(f"tensorboard events: {tensorboard.path}")
-        train(loop, opened.state, on_step=tensorboard.write_step if tensorboard else None)
+    train(loop, opened.state, on_step=trackers.log_step)
 
 
 def retest_stage(admission: Admission, prepared: Prepared, state: LoopState,
@@ -369,9 +357,11 @@ def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds
     }
 
 
-def write_run_files(run_dir: Path, evidence: dict, eval_records: list[dict],
-                    trajectories: list[dict], reporter) -> None:
-    """Re-test records, evidence, then the manifest (last: the run is complete), the report."""
+def write_run_files(run_dir: Path, evidence: dict, problems: list[dict],
+                    eval_records: list[dict], trajectories: list[dict], reporter) -> None:
+    """Problems, re-test records, evidence, then the manifest (last: the run is complete), the
+    report. The problems make the directory self-contained: `decide` re-scores from them."""
+    atomic_write_bytes(run_dir / PROBLEMS_FILE, jsonl_bytes(problems))
     atomic_write_bytes(run_dir / "eval_completions.jsonl", jsonl_bytes(eval_records))
     atomic_write_json(run_dir / "evidence.json", evidence)
     atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))
@@ -400,7 +390,23 @@ def _execute(admission: Admission, reporter, stop: StopRequest,
     if stop.requested:  # nothing written or changed yet: stopping here leaves no trace
         raise RunInterrupted(stop.signal_name)
     opened = open_run(admission, prepared, resumed, started, reporter, held)
-    train_policy(admission, prepared, opened, reporter, stop)
+    # A resumed run opens new tracker runs (TensorBoard: a new events file in the same directory).
+    trackers = Trackers(config, opened.run_dir, opened.run_label)
+    for name, tracker in trackers.opened:
+        reporter.log(f"{name}: {tracker.where}")
+    decision = ""
+    try:
+        evidence = _train_to_evidence(admission, prepared, opened, reporter, stop, trackers)
+        decision = evidence["decision"]["decision"]
+    finally:
+        trackers.close(decision)
+    return evidence
+
+
+def _train_to_evidence(admission: Admission, prepared: Prepared, opened: OpenRun, reporter,
+                       stop: StopRequest, trackers: Trackers) -> dict:
+    config = admission.config
+    train_policy(admission, prepared, opened, reporter, stop, trackers)
     adapter_sha = deliver_adapter(prepared.policy, opened.run_dir)
     candidate_version = current_version(prepared.policy)
     evaluation_started = time.perf_counter()
@@ -413,7 +419,10 @@ def _execute(admission: Admission, reporter, stop: StopRequest,
     state = opened.state
     evidence = assemble_evidence(facts, config.to_dict(), state.steps, state.trajectories,
                                  retested[0])
-    write_run_files(opened.run_dir, evidence, retested[0], state.trajectories, reporter)
+    problems = tasks.problem_records(config.task, admission.train, admission.eval)
+    write_run_files(opened.run_dir, evidence, problems, retested[0], state.trajectories,
+                    reporter)
+    trackers.log_final(evidence)
     evidence["run_dir"] = str(opened.run_dir)
     return evidence
 

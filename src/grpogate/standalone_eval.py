@@ -15,6 +15,7 @@ files stays a pure-Python operation.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from datetime import datetime, timezone
 from typing import Any
 
@@ -22,6 +23,8 @@ from grpogate.evidence import metrics
 from grpogate.config import RunConfig
 from grpogate.errors import InputError
 from grpogate.evidence.assemble import library_versions
+from grpogate.evidence.manifest import PROBLEMS_FILE
+from grpogate.files import read_jsonl
 from grpogate.inputs.tasks import load_eval_set
 
 EVAL_FILE_KIND = "grpogate-eval"
@@ -48,7 +51,7 @@ def parse_tasks_spec(spec: str) -> dict[str, str]:
         return {"source": source, "name": rest}
     if source == "gsm8k" and rest:
         return {"source": source, "path": rest}
-    raise InputError(f"--tasks {spec!r}: expected reasoning-gym:NAME (e.g. reasoning-gym:chain_sum) "
+    raise InputError(f"--task {spec!r}: expected reasoning-gym:NAME (e.g. reasoning-gym:chain_sum) "
                      "or gsm8k:PATH (a directory with test.jsonl, a .jsonl file or an HF id)")
 
 
@@ -57,12 +60,41 @@ def load_eval_problems(config: RunConfig) -> tuple[list, dict]:
     return load_eval_set(config.task, config.eval_prompts)
 
 
-def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, advance=None) -> dict:
+def trained_prompt_ids(run_dir: str | Path) -> set[str]:
+    """Every prompt id a run trained on: the train split of its problems.jsonl and every
+    prompt of its trajectories.jsonl (a run directory needs at least one of them)."""
+    run_dir = Path(run_dir)
+    problems, trajectories = run_dir / PROBLEMS_FILE, run_dir / "trajectories.jsonl"
+    if not problems.is_file() and not trajectories.is_file():
+        raise InputError(f"--exclude-run {run_dir}: not a run directory (neither "
+                         f"{PROBLEMS_FILE} nor trajectories.jsonl)")
+    ids = {str(r.get("prompt_id")) for r in read_jsonl(problems) if r.get("split") == "train"} \
+        if problems.is_file() else set()
+    if trajectories.is_file():
+        ids |= {str(r.get("prompt_id")) for r in read_jsonl(trajectories)}
+    return ids
+
+
+def refuse_trained_prompts(problems: list, run_dir: str | Path) -> int:
+    """InputError when any eval problem is one the run in `run_dir` trained on; else the number
+    of the run's training prompts checked against."""
+    trained = trained_prompt_ids(run_dir)
+    shared = [p for p in problems if p.prompt_id in trained]
+    if shared:
+        raise InputError(f"--exclude-run {run_dir}: {len(shared)} of {len(problems)} eval prompts "
+                         f"were trained on by that run (first: prompt id {shared[0].prompt_id}); "
+                         "choose another task.eval_seed, split or task")
+    return len(trained)
+
+
+def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, advance=None,
+                        exclude_run: str | None = None) -> dict:
     """Sample `config.eval_group_size` fresh completions per eval prompt from one policy.
 
     `config.model` / `config.adapter` name the policy. The policy runs as the pipeline's
     baseline does (adapter disabled, or the loaded adapter as frozen reference), so its
-    version is the one a run starting from it would record.
+    version is the one a run starting from it would record. `exclude_run`: a run directory
+    whose training prompts must not be among the eval prompts (checked before loading).
     """
     from grpogate.sampling.retest import evaluate_policy
     from grpogate.inputs.policy import load_policy, sampling_weights
@@ -74,6 +106,10 @@ def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, advance=
     except ValueError as error:
         raise InputError(f"verifier: {error}") from None
     problems, eval_identity = load_eval_problems(config)
+    excluded = None
+    if exclude_run:
+        excluded = {"run_dir": str(exclude_run),
+                    "trained_prompts": refuse_trained_prompts(problems, exclude_run), "shared": 0}
     started = time.perf_counter()
     policy = load_policy(config, adapter=config.adapter, seed=config.seed)
     load_seconds = time.perf_counter() - started
@@ -95,6 +131,7 @@ def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, advance=
                    "policy_version": policy.baseline_version},
         "verifier": {"name": config.resolved_verifier(), "version": verifier.version},
         "eval_set": eval_identity,
+        "excluded_run": excluded,
         "prompt_ids": [problem.prompt_id for problem in problems],
         "seed": seed,
         "group_size": config.eval_group_size,

@@ -3,8 +3,8 @@
 `grpogate decide RUN_DIR` trusts nothing the run says about itself. From the stored files alone
 it re-runs the verifier named in the evidence on every stored completion (training and re-test),
 re-scores every training reward component with the run's reward functions and recomputes their
-weighted total
-against the reference answers of the reloaded problem sets, re-checks every step's rollout
+weighted total against the reference answers stored in problems.jsonl (so no task generator or
+dataset is needed, and a copied run directory audits the same), re-checks every step's rollout
 contract, checks every hash the manifest records, recomputes the policy versions from the
 adapter's own tensors (a forger who swaps adapter/ and recomputes every file hash still has
 to name the candidate's version), and rebuilds the whole evidence document
@@ -31,10 +31,10 @@ from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, recorded_facts,
                                        step_summary)
-from grpogate.evidence.manifest import RUN_FILES, build_manifest, trace_ids_sha256
+from grpogate.evidence.manifest import PROBLEMS_FILE, RUN_FILES, build_manifest, trace_ids_sha256
 from grpogate.files import ADAPTER_WEIGHTS, policy_version, safetensors_sha256, sha256_path
 from grpogate.inputs.rewards import reward_set_from_config
-from grpogate.inputs.tasks import load_problem_sets
+from grpogate.inputs.tasks import load_problem_sets, problem_set_hash, problems_from_records
 from grpogate.inputs.verifiers import get_verifier
 
 FLOAT_TOLERANCE = 1e-9
@@ -130,12 +130,12 @@ def _numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
 
 
 def reload_problem_sets(config: dict, inputs: dict) -> tuple[list, dict, list, dict]:
-    """The run's train and eval problems, rebuilt from its recorded configuration.
+    """The run's train and eval problems regenerated from its recorded configuration (needs the
+    task generator or dataset; `decide --replay` uses it, the audit reads problems.jsonl).
 
-    Calls the run's own `tasks.load_problem_sets` (pure, no torch); the recorded identities
-    are compared afterwards, so any drift shows up as a named mismatch rather than silently. A GSM8K split
-    is read from the absolute file the run recorded when it exists, so a run configured with a
-    relative path can be audited from any working directory.
+    Calls the run's own `tasks.load_problem_sets` (pure, no torch). A GSM8K split is read from
+    the absolute file the run recorded when it exists, so a run configured with a relative path
+    can be replayed from any working directory.
     """
     task = TaskConfig(**config["task"])
 
@@ -146,6 +146,23 @@ def reload_problem_sets(config: dict, inputs: dict) -> tuple[list, dict, list, d
 
     return load_problem_sets(task, config["train_prompts"], config["eval_prompts"],
                              recorded_file("train_set"), recorded_file("eval_set"))
+
+
+def stored_problem_sets(run_dir: Path, audit: Audit) -> tuple[list, list] | None:
+    """The run's train and eval problems as problems.jsonl stores them (None: unusable).
+
+    The run directory alone is enough: no task generator or dataset is needed. The file is
+    pinned by the manifest like every other; each prompt id is recomputed from its question
+    and the sets' hashes are compared with the recorded identities (`_reload_references`).
+    """
+    numbered = _numbered_jsonl(run_dir / PROBLEMS_FILE, audit)
+    if not numbered:
+        return None
+    try:
+        return problems_from_records(numbered, PROBLEMS_FILE)
+    except InputError as error:
+        audit.mismatch(f"{PROBLEMS_FILE} ({error})")
+        return None
 
 
 # --- the checks ---------------------------------------------------------------------------------
@@ -359,17 +376,24 @@ def _read_run(audit: Audit, run_dir: Path) -> tuple[dict, list, list]:
             _numbered_jsonl(run_dir / "eval_completions.jsonl", audit))
 
 
-def _reload_references(audit: Audit, evidence: dict) -> tuple[dict | None, dict | None]:
-    """Reference answers by prompt id of the rebuilt train and eval sets (None: unavailable)."""
-    try:
-        train, train_id, eval_set, eval_id = reload_problem_sets(evidence["config"],
-                                                                 evidence["inputs"])
-    except InputError as error:
-        audit.mismatch(f"inputs (cannot reload the problem sets: {error})")
+def _reload_references(audit: Audit, evidence: dict, run_dir: Path
+                       ) -> tuple[dict | None, dict | None]:
+    """Reference answers by prompt id of the stored train and eval sets (None: unavailable).
+
+    Each set must hash (the run's own `problem_set_hash`) to the identity the evidence records
+    and hold as many problems as the config asked for."""
+    stored = stored_problem_sets(run_dir, audit)
+    if stored is None:
         return None, None
-    audit.compare("inputs.train_set", evidence["inputs"].get("train_set"), train_id)
-    audit.compare("inputs.eval_set", evidence["inputs"].get("eval_set"), eval_id)
-    return ({p.prompt_id: p.reference for p in train}, {p.prompt_id: p.reference for p in eval_set})
+    config = evidence["config"]
+    for name, problems, size in (("train_set", stored[0], config["train_prompts"]),
+                                 ("eval_set", stored[1], config["eval_prompts"])):
+        recorded = evidence["inputs"].get(name) or {}
+        audit.compare(f"inputs.{name}.problem_set_sha256", recorded.get("problem_set_sha256"),
+                      problem_set_hash(problems))
+        audit.compare(f"{PROBLEMS_FILE} {name} size", size, len(problems))
+    return ({p.prompt_id: p.reference for p in stored[0]},
+            {p.prompt_id: p.reference for p in stored[1]})
 
 
 def _reward_set(audit: Audit, evidence: dict, verifier):
@@ -431,7 +455,7 @@ def audit_run(run_dir: str | Path) -> dict[str, Any]:
         if manifest:
             check_hashes(audit, run_dir, manifest, evidence, trajectories)
         versions = anchored_versions(audit, run_dir, evidence)
-        train_refs, eval_refs = _reload_references(audit, evidence)
+        train_refs, eval_refs = _reload_references(audit, evidence, run_dir)
         verifier = _verifier(audit, evidence)
         reward_set = _reward_set(audit, evidence, verifier)
         _check_all_records(audit, evidence, numbered_trajectories, numbered_eval, train_refs,

@@ -14,7 +14,8 @@ from grpogate.files import (ADAPTER_WEIGHTS, policy_version, safetensors_sha256,
                             sha256_path)
 
 MANIFEST_VERSION = 1
-RUN_FILES = ("evidence.json", "trajectories.jsonl", "eval_completions.jsonl")
+PROBLEMS_FILE = "problems.jsonl"  # every train and eval problem: what `decide` re-scores against
+RUN_FILES = ("evidence.json", "trajectories.jsonl", "eval_completions.jsonl", PROBLEMS_FILE)
 
 
 def trace_ids_sha256(trace_ids: list[str]) -> str:

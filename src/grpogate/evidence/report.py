@@ -1,30 +1,34 @@
 """The run report: one self-contained HTML file (images embedded as data URIs) and its PNGs.
 
-`write_report(run_dir)` reads only the stored evidence (and the manifest's file hashes), so a
-report can be regenerated for any finished run. It shows the decision and every gate, the stage
-time breakdown, reward / valid-group ratio / KL per update step, the baseline and candidate
-length histograms, a per-prompt paired plot, the bootstrap intervals with their exact tests,
-and the input identities. The page makes no external request: no scripts, no fonts, no links;
-every image is a PNG inlined as base64 (and also written beside it as report_*.png).
-
-Plots use matplotlib's object API with the Agg canvas (no pyplot global state, no display).
+`write_report(run_dir)` reads only the run directory's files (evidence, manifest, problems,
+re-test completions), so a report can be regenerated for any finished run. It shows the
+decision, every gate and for each failed one what to try, the configuration that produced the
+run, the re-test with its paired statistics, a per-prompt plot and table (question, reference),
+real completions (best and worst per policy; the prompts where the policies differ most),
+training curves, stage times and the input identities. The page makes no external request: no
+scripts, no fonts, no links; every image is a PNG inlined as base64 (also written beside it as
+report_*.png). The figures are drawn by report_figures.py.
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import io
 import json
+import shlex
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from grpogate.errors import InputError
+from grpogate.evidence.manifest import PROBLEMS_FILE
+from grpogate.evidence.report_figures import paired_prompts, render_all, stage_seconds
 from grpogate.files import atomic_write_bytes
 
 REPORT_HTML = "report.html"
-BASELINE_COLOR, CANDIDATE_COLOR = "#7f7f7f", "#1f77b4"
-STAGES = ("load", "rollout", "verification", "update", "evaluation")
+FIGURE_NAMES = ("stages", "steps", "lengths", "per_prompt", "intervals")
+# Every section's id, in page order ("what-to-try" only when a gate failed).
+SECTIONS = ("gates", "what-to-try", "configuration", "re-test", "per-prompt", "completions",
+            "training", "stage-times", "inputs")
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:70em;color:#222}
 h1{margin-bottom:.2em} h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.6em}
@@ -34,6 +38,8 @@ text-align:left;vertical-align:top} th{background:#f3f3f3} code{font-size:.9em;w
 border-radius:.3em} .accept{background:#2e7d32} .tune{background:#ef6c00} .reject{background:#c62828}
 .pass{color:#2e7d32;font-weight:bold} .fail{color:#c62828;font-weight:bold} .note{color:#555}
 img{max-width:100%;border:1px solid #eee;margin:.4em 0}
+pre{white-space:pre-wrap;margin:0;max-height:12em;overflow:auto;font-size:.85em}
+h4{margin:.8em 0 .2em}
 """
 
 
@@ -58,172 +64,40 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-# --- figures -------------------------------------------------------------------------------------
+# --- sections ---------------------------------------------------------------------------------
 
-def _render(draw: Callable, size: tuple[float, float]) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+# One line per gate: what to try when it fails (the gate names of evidence/decisions.py).
+ADVICE = {
+    "contract": "the trajectories break the rollout contract (identities, complete groups): "
+                "a bug or tampering; run again and report it if it repeats",
+    "execution": "no optimizer step happened: no group had reward variance; raise group_size "
+                 "or temperature, or choose task params the baseline solves 10-60 % of",
+    "effective_groups": "too few groups had reward variance: raise group_size (G) or "
+                        "temperature, or choose task params the baseline solves 10-60 % of",
+    "effective_throughput": "training was slower than the gate: lower max_new_tokens, raise "
+                            "generation_batch_size, or run on a GPU (--device cuda)",
+    "updates": "too few optimizer steps: train longer (--steps)",
+    "reward": "the re-test mean reward did not gain enough: train longer (--steps), try a "
+              "higher --lr (e.g. 1e-4), and use more eval_prompts so small gains are resolved",
+    "pass_at_group": "pass@k did not gain enough: train longer or with a higher --lr; more "
+                     "eval_prompts narrow the interval",
+    "truncation": "too many training completions hit the token budget: raise --max-new-tokens "
+                  "or ask for shorter answers (system_prompt)",
+    "length_budget": "too many re-test completions hit the token budget, so the gain is "
+                     "measured on cut-off answers: raise --max-new-tokens",
+    "memory": "peak memory above the gate: lower micro_batch_size or generation_batch_size",
+    "artifact": "the adapter is missing or does not hash as recorded: do not deliver this "
+                "directory; run again",
+}
 
-    figure = Figure(figsize=size, layout="constrained")
-    FigureCanvasAgg(figure)
-    draw(figure)
-    buffer = io.BytesIO()
-    # No Software/date metadata: the same evidence renders to the same bytes.
-    figure.savefig(buffer, format="png", dpi=100, metadata={"Software": None})
-    return buffer.getvalue()
-
-
-def _placeholder(figure, text: str) -> None:
-    axes = figure.add_subplot()
-    axes.axis("off")
-    axes.text(0.5, 0.5, text, ha="center", va="center", fontsize=12, color="#555")
-
-
-def draw_stages(evidence: dict) -> Callable:
-    timings = evidence.get("timings") or {}
-    seconds = [float(timings.get(f"{stage}_seconds") or 0.0) for stage in STAGES]
-
-    def draw(figure):
-        axes = figure.add_subplot()
-        bars = axes.barh(STAGES[::-1], seconds[::-1], color="#4c72b0")
-        axes.bar_label(bars, labels=[f"{s:.1f} s" for s in seconds[::-1]], padding=3)
-        axes.set_xlabel("seconds")
-        axes.set_title(f"stage times (total {float(timings.get('total_seconds') or 0):.1f} s)")
-        axes.set_xlim(0, max(seconds + [1e-9]) * 1.2)
-    return draw
-
-
-def draw_steps(evidence: dict) -> Callable:
-    steps = evidence.get("steps") or []
-    gate = ((evidence.get("config") or {}).get("gates") or {}).get("minimum_valid_group_ratio")
-
-    def draw(figure):
-        if not steps:
-            _placeholder(figure, "no completed update step")
-            return
-        from matplotlib.ticker import MaxNLocator
-
-        x = [s["step"] for s in steps]
-        reward, ratio, kl = figure.subplots(3, 1, sharex=True)
-        reward.plot(x, [s["mean_reward"] for s in steps], "o-", color=CANDIDATE_COLOR)
-        reward.set_ylabel("mean reward")
-        reward.set_title("training rollouts per update step")
-        ratio.plot(x, [s["valid_group_ratio"] for s in steps], "o-", color="#2ca02c")
-        if isinstance(gate, (int, float)):
-            ratio.axhline(gate, color="#c62828", linestyle="--", label=f"gate {gate:g}")
-            ratio.legend(loc="best", fontsize=8)
-        ratio.set_ylabel("valid group ratio")
-        ratio.set_ylim(-0.05, 1.05)
-        kl.plot(x, [s.get("mean_kl", 0.0) for s in steps], "o-", color="#9467bd", label="mean KL")
-        clip = kl.twinx()
-        clip.plot(x, [s.get("clip_fraction", 0.0) for s in steps], "s--", color="#8c564b",
-                  label="clip fraction")
-        kl.set_ylabel("mean KL")
-        clip.set_ylabel("clip fraction")
-        kl.set_xlabel("step")
-        kl.xaxis.set_major_locator(MaxNLocator(integer=True))
-        kl.legend(loc="upper left", fontsize=8)
-        clip.legend(loc="upper right", fontsize=8)
-    return draw
-
-
-def draw_lengths(evidence: dict) -> Callable:
-    comparison = evidence.get("comparison") or {}
-    budget = (evidence.get("config") or {}).get("max_new_tokens")
-
-    def draw(figure):
-        axes = figure.add_subplot()
-        for name, color in (("baseline", BASELINE_COLOR), ("candidate", CANDIDATE_COLOR)):
-            histogram = (comparison.get(name) or {}).get("length_histogram")
-            if histogram:
-                mean = comparison[name]["length"]["mean"]
-                axes.stairs(histogram["counts"], histogram["bin_edges"], color=color, linewidth=2,
-                            fill=name == "baseline", alpha=0.35 if name == "baseline" else 1.0,
-                            label=f"{name} (mean {mean:.1f} tokens)")
-        if isinstance(budget, int):
-            axes.axvline(budget, color="#c62828", linestyle="--", label=f"budget {budget} tokens")
-        axes.set_xlabel("completion tokens")
-        axes.set_ylabel("completions")
-        axes.set_title("re-test completion lengths")
-        axes.legend(loc="best", fontsize=8)
-    return draw
-
-
-def draw_per_prompt(evidence: dict) -> Callable:
-    comparison = evidence.get("comparison") or {}
-    baseline = {p["prompt_id"]: p for p in (comparison.get("baseline") or {}).get("per_prompt", [])}
-    candidate = {p["prompt_id"]: p for p in (comparison.get("candidate") or {}).get("per_prompt", [])}
-    prompts = sorted(set(baseline) & set(candidate),
-                     key=lambda i: (candidate[i]["mean_reward"] - baseline[i]["mean_reward"], i))
-
-    def draw(figure):
-        if not prompts:
-            _placeholder(figure, "no paired eval prompts recorded")
-            return
-        values, deltas = figure.subplots(1, 2, sharey=True)
-        y = list(range(len(prompts)))
-        before = [baseline[i]["mean_reward"] for i in prompts]
-        after = [candidate[i]["mean_reward"] for i in prompts]
-        values.hlines(y, before, after, color="#bbbbbb", zorder=1)
-        # Hollow baseline rings around smaller candidate diamonds: equal values stay visible.
-        values.scatter(before, y, s=90, facecolors="none", edgecolors=BASELINE_COLOR,
-                       linewidths=1.5, label="baseline", zorder=2)
-        values.scatter(after, y, s=25, color=CANDIDATE_COLOR, marker="D", label="candidate",
-                       zorder=3)
-        values.set_xlim(-0.05, 1.05)
-        values.set_xlabel("mean reward")
-        values.set_title("per-prompt mean reward")
-        values.legend(loc="lower right", fontsize=8)
-        values.set_yticks(y, prompts if len(prompts) <= 60 else [""] * len(prompts),
-                          fontsize=7, family="monospace")
-        # The paired differences themselves: what the bootstrap resamples and the sign test counts.
-        change = [a - b for a, b in zip(after, before)]
-        deltas.barh(y, change, color=["#2e7d32" if c > 0 else "#c62828" for c in change])
-        deltas.axvline(0.0, color="#555", linewidth=0.8)
-        deltas.set_xlim(-1.05, 1.05)
-        deltas.set_xlabel("candidate - baseline")
-        deltas.set_title("paired difference per prompt")
-    return draw
-
-
-def draw_intervals(evidence: dict) -> Callable:
-    paired = (evidence.get("comparison") or {}).get("paired") or {}
-    gates = (evidence.get("config") or {}).get("gates") or {}
-    rows = [(name, paired[name], gates.get(gate)) for name, gate in (
-        ("reward_mean_gain", "minimum_reward_gain"),
-        ("pass_at_group_gain", "minimum_pass_at_group_gain"),
-        ("pass_rate_gain", None)) if name in paired]
-
-    def draw(figure):
-        if not rows:
-            _placeholder(figure, "no paired statistics recorded")
-            return
-        axes = figure.add_subplot()
-        for y, (name, interval, gate) in enumerate(rows):
-            axes.errorbar(interval["point"], y, xerr=[[interval["point"] - interval["low"]],
-                                                      [interval["high"] - interval["point"]]],
-                          fmt="o", color=CANDIDATE_COLOR, capsize=6)
-            if isinstance(gate, (int, float)):
-                axes.plot([gate], [y], marker="|", markersize=22, color="#c62828")
-        axes.axvline(0.0, color="#555", linewidth=0.8)
-        axes.set_yticks(range(len(rows)), [name for name, _, _ in rows])
-        axes.set_ylim(-0.6, len(rows) - 0.4)
-        confidence = paired.get("confidence", 0.95)
-        axes.set_xlabel(f"candidate - baseline (point and {confidence:.0%} paired bootstrap "
-                        "interval; red tick: gate minimum)")
-    return draw
-
-
-FIGURES = (("stages", draw_stages, (7.0, 3.0)), ("steps", draw_steps, (8.0, 7.0)),
-           ("lengths", draw_lengths, (8.0, 3.6)), ("per_prompt", draw_per_prompt, (9.0, 4.5)),
-           ("intervals", draw_intervals, (8.0, 2.8)))
-
-
-# --- sections ------------------------------------------------------------------------------------
 
 def _img(pngs: dict[str, bytes], name: str, alt: str) -> str:
     data = base64.b64encode(pngs[name]).decode("ascii")
     return f'<img src="data:image/png;base64,{data}" alt="{_e(alt)}">'
+
+
+def _h2(section: str, title: str) -> str:
+    return f'<h2 id="{section}">{title}</h2>'
 
 
 def gates_section(evidence: dict) -> str:
@@ -243,12 +117,49 @@ def gates_section(evidence: dict) -> str:
                      _e(measure)])
     return (f'<p><span class="decision {_e(verdict)}">{_e(verdict.upper())}</span> '
             f"status <code>{_e(evidence.get('status'))}</code>; failed checks: {_e(failed)}</p>"
-            "<h2>Delivery gates</h2>"
+            + _h2("gates", "Delivery gates")
             + _table(["check", "value", "threshold", "result", "on fail", "gain measure"], rows)
             + '<p class="note">Minimums and maximums are inclusive. The reward and pass_at_group '
             f"gates read the re-test gain's {_e(gain_measure)}"
             f"{' (require_significant_gain)' if significant is True else ''}, scored by the "
             "correctness verifier alone, whatever reward components the training used.</p>")
+
+
+def advice_section(evidence: dict) -> str:
+    failed = [c for c in (evidence.get("decision") or {}).get("checks") or [] if not c.get("passed")]
+    if not failed:
+        return ""
+    items = "".join(f"<li><b>{_e(c.get('name'))}</b>: {_e(ADVICE.get(c.get('name'), 'see SPEC §4'))}</li>"
+                    for c in failed)
+    return _h2("what-to-try", "What to try") + f"<ul>{items}</ul>"
+
+
+def configuration_section(evidence: dict) -> str:
+    config = evidence.get("config") or {}
+    task = config.get("task") or {}
+    seeds = evidence.get("seeds") or {}
+    steps = (config.get("train_prompts") or 0) // max(config.get("prompts_per_step") or 1, 1)
+    rows = [
+        ("objective", f"GRPO: clipped surrogate (epsilon {config.get('clip_epsilon')}) + k3 KL to "
+                      f"the baseline, loss {config.get('loss_aggregation')}"),
+        ("model", config.get("model")), ("baseline adapter", config.get("adapter") or "none"),
+        ("task", f"{task.get('source')} {task.get('name') if task.get('source') != 'gsm8k' else task.get('path')} "
+                 f"params {json.dumps(task.get('params'))}"),
+        ("steps x prompts per step x G", f"{steps} x {config.get('prompts_per_step')} x "
+                                         f"{config.get('group_size')}"),
+        ("learning rate (AdamW), weight decay", f"{config.get('learning_rate')}, {config.get('weight_decay')}"),
+        ("LoRA r / alpha / dropout / targets", f"{config.get('lora_r')} / {config.get('lora_alpha')} / "
+                                               f"{config.get('lora_dropout')} / {config.get('lora_target_modules')}"),
+        ("KL coefficient (beta)", config.get("kl_coef")),
+        ("sampling", f"temperature {config.get('temperature')}, top_p {config.get('top_p')}, "
+                     f"max_new_tokens {config.get('max_new_tokens')}"),
+        ("re-test", f"{config.get('eval_prompts')} prompts x {config.get('eval_group_size')} samples"),
+        ("seeds", ", ".join(f"{k} {v}" for k, v in seeds.items()) or f"run {config.get('seed')}"),
+        ("task seeds", f"train {task.get('train_seed')}, eval {task.get('eval_seed')}"),
+    ]
+    return (_h2("configuration", "Configuration")
+            + _table(["setting", "value"], [[_e(k), _e(v)] for k, v in rows])
+            + '<p class="note">The full configuration is <code>config</code> in evidence.json.</p>')
 
 
 def retest_section(evidence: dict, pngs: dict[str, bytes]) -> str:
@@ -277,16 +188,78 @@ def retest_section(evidence: dict, pngs: dict[str, bytes]) -> str:
                           _e(f"[{interval['low']:.4g}, {interval['high']:.4g}]"),
                           _e(f"{test_name.replace('_', ' ')} p = {_fmt(test.get('p_value'))}"),
                           _e(", ".join(f"{k} {v}" for k, v in test.items() if k != "p_value"))])
-    return (f"<h2>Independent re-test ({_e(baseline.get('prompt_count'))} eval prompts x "
-            f"{_e(comparison.get('eval_group_size'))} samples, seed {_e(comparison.get('eval_seed'))})</h2>"
+    return (_h2("re-test", f"Independent re-test ({_e(baseline.get('prompt_count'))} eval "
+                f"prompts x {_e(comparison.get('eval_group_size'))} samples, seed "
+                f"{_e(comparison.get('eval_seed'))})")
             + _table(["metric", "baseline", "candidate", "change"], rows)
             + f"<h3>Paired statistics ({_e(paired.get('resamples'))} bootstrap resamples, "
             f"seed {_e(paired.get('seed'))})</h3>"
             + _table(["gain", "point", f"{paired.get('confidence', 0.95):.0%} interval",
                       "exact test", "counts"], tests)
             + _img(pngs, "intervals", "bootstrap intervals of the gains")
-            + _img(pngs, "per_prompt", "per-prompt baseline vs candidate")
             + _img(pngs, "lengths", "baseline vs candidate length histograms"))
+
+
+def per_prompt_section(evidence: dict, problems: dict, pngs: dict[str, bytes]) -> str:
+    rows = []
+    for rank, (prompt, before, after) in enumerate(paired_prompts(evidence), 1):
+        problem = problems.get(prompt) or {}
+        question = str(problem.get("question", "(problems.jsonl not available)"))
+        short = question if len(question) <= 140 else question[:137] + "..."
+        rows.append([f"#{rank}", f"<code>{_e(prompt)}</code>",
+                     f'<span title="{_e(question)}">{_e(short)}</span>',
+                     _e(problem.get("reference", "")), f"{before:.3f}", f"{after:.3f}",
+                     f"{after - before:+.3f}"])
+    return (_h2("per-prompt", "Per prompt, sorted by paired difference")
+            + _img(pngs, "per_prompt", "per-prompt baseline vs candidate")
+            + f"<details><summary>the {len(rows)} prompts (#1: the candidate's largest loss; "
+            "hover a question for its full text)</summary>"
+            + _table(["#", "prompt id", "question", "reference", "baseline", "candidate",
+                      "difference"], rows) + "</details>")
+
+
+def _completion_block(record: dict, problem: dict, title: str) -> str:
+    budget = " (hit the budget)" if record.get("hit_max_length") else ""
+    return (f"<h4>{_e(title)}: reward {_e(_fmt(record.get('reward')))}, "
+            f"{_e(record.get('completion_tokens'))} tokens{budget}</h4>"
+            + _table(["question", "reference", "completion"], [[
+                f"<pre>{_e(problem.get('question', '(not available)'))}</pre>",
+                f"<code>{_e(problem.get('reference', ''))}</code>",
+                f"<pre>{_e(record.get('completion', ''))}</pre>"]]))
+
+
+def completions_section(evidence: dict, eval_records: list[dict], problems: dict,
+                        differing: int = 3) -> str:
+    """Best and worst re-test completion of each policy, then the prompts where the policies
+    differ most with one completion of each (the first sample, same seed for both)."""
+    if not eval_records:
+        return _h2("completions", "Completions") + "<p>no re-test completions recorded</p>"
+    parts = [_h2("completions", "Completions (re-test)")]
+    for policy in ("baseline", "candidate"):
+        records = [r for r in eval_records if r.get("policy") == policy]
+        if records:
+            best = max(records, key=lambda r: r.get("reward") or 0.0)
+            worst = min(records, key=lambda r: r.get("reward") or 0.0)
+            if best.get("reward") == worst.get("reward"):  # one example says it all
+                parts.append(_completion_block(best, problems.get(best.get("prompt_id"), {}),
+                                               f"{policy}: every completion scored the same"))
+                continue
+            parts += [_completion_block(best, problems.get(best.get("prompt_id"), {}),
+                                        f"{policy}, best"),
+                      _completion_block(worst, problems.get(worst.get("prompt_id"), {}),
+                                        f"{policy}, worst")]
+    ranked = sorted(paired_prompts(evidence), key=lambda row: -abs(row[2] - row[1]))
+    parts.append("<h3>Where baseline and candidate differ most</h3>")
+    for prompt, before, after in [row for row in ranked if row[2] != row[1]][:differing]:
+        first = {r.get("policy"): r for r in eval_records
+                 if r.get("prompt_id") == prompt and r.get("sample_index") == 0}
+        parts.append(f"<p>prompt <code>{_e(prompt)}</code>: mean reward {before:.3f} -> "
+                     f"{after:.3f}</p>")
+        for policy in ("baseline", "candidate"):
+            if policy in first:
+                parts.append(_completion_block(first[policy], problems.get(prompt, {}),
+                                               f"{policy}, sample 0"))
+    return "".join(parts)
 
 
 def training_section(evidence: dict, pngs: dict[str, bytes]) -> str:
@@ -304,12 +277,19 @@ def training_section(evidence: dict, pngs: dict[str, bytes]) -> str:
              ("generation tokens / s", _fmt(rollout.get("generation_tokens_per_second")))]
     facts += _shaping_facts(evidence)
     resources = evidence.get("resources") or {}
-    facts += [(f"peak {kind} ({resources.get('device')})", _fmt(resources.get(f"peak_{kind}_bytes"), "bytes"))
-              for kind in ("allocated", "reserved", "rss")]
-    return ("<h2>Training and resources</h2>" + _table(["quantity", "value"],
-                                                      [[_e(k), _e(v)] for k, v in facts])
-            + _img(pngs, "steps", "reward, valid group ratio and KL per update step")
-            + "<h2>Stage times</h2>" + _img(pngs, "stages", "stage time breakdown"))
+    if resources.get("device") == "cuda":
+        facts += [(f"peak {kind} (cuda)", _fmt(resources.get(f"peak_{kind}_bytes"), "bytes"))
+                  for kind in ("allocated", "reserved")]
+    # On the CPU the three peaks are one number (the resident set): shown once.
+    facts.append(("peak resident set (process)", _fmt(resources.get("peak_rss_bytes"), "bytes")))
+    stages = stage_seconds(evidence)
+    return (_h2("training", "Training and resources") + _table(["quantity", "value"],
+                                                              [[_e(k), _e(v)] for k, v in facts])
+            + _img(pngs, "steps", "reward, valid group ratio and KL per step")
+            + _h2("stage-times", "Stage times")
+            + _table(["stage", "seconds"], [[_e(n), f"{v:.2f}"] for n, v in stages]
+                     + [["total", f"{sum(v for _, v in stages):.2f}"]])
+            + _img(pngs, "stages", "stage time breakdown"))
 
 
 def _shaping_facts(evidence: dict) -> list[tuple[str, str]]:
@@ -353,25 +333,40 @@ def inputs_section(evidence: dict, manifest: dict) -> str:
             rows.append((f"{name}.{key}", json.dumps(value) if isinstance(value, dict) else value))
     files = manifest.get("files") or {}
     rows += [(f"run file {name}", f"sha256 {digest}") for name, digest in files.items()]
-    return ("<h2>Input identities</h2>"
+    return (_h2("inputs", "Input identities")
             + _table(["input", "identity"], [[_e(k), f"<code>{_e(v)}</code>"] for k, v in rows]))
 
 
-def render_html(evidence: dict, manifest: dict, pngs: dict[str, bytes]) -> str:
-    label = evidence.get("run_label", "run")
+def render_html(evidence: dict, manifest: dict, pngs: dict[str, bytes], run_dir: str = "RUN_DIR",
+                eval_records: list[dict] = (), problems: dict | None = None) -> str:
+    label, problems = evidence.get("run_label", "run"), problems or {}
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>grpogate report: {_e(label)}</title><style>{_STYLE}</style></head><body>"
             f"<h1>grpogate run <code>{_e(label)}</code></h1>"
             f"<p class=\"note\">created {_e(evidence.get('created'))}; re-check with "
-            f"<code>grpogate decide RUN_DIR</code></p>"
-            + gates_section(evidence) + retest_section(evidence, pngs)
+            f"<code>grpogate decide {_e(shlex.quote(run_dir))}</code></p>"
+            + gates_section(evidence) + advice_section(evidence)
+            + configuration_section(evidence) + retest_section(evidence, pngs)
+            + per_prompt_section(evidence, problems, pngs)
+            + completions_section(evidence, list(eval_records), problems)
             + training_section(evidence, pngs) + inputs_section(evidence, manifest)
             + "</body></html>\n")
 
 
+def _read_jsonl(path: Path) -> list[dict]:
+    """Records of an optional JSONL file; a missing or unreadable one is empty (the report still
+    renders from the evidence; `grpogate decide` is what judges the files)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        return [record for record in map(json.loads, filter(str.strip, lines))
+                if isinstance(record, dict)]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return []
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Render report_*.png and report.html into `run_dir` (atomically); returns the HTML path."""
-    run_dir = Path(run_dir)
+    shown, run_dir = str(run_dir), Path(run_dir)
     try:
         evidence = json.loads((run_dir / "evidence.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -382,9 +377,12 @@ def write_report(run_dir: str | Path) -> Path:
         manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
     except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         manifest = {}
-    pngs = {name: _render(draw(evidence), size) for name, draw, size in FIGURES}
+    problems = {str(p.get("prompt_id")): p for p in _read_jsonl(run_dir / PROBLEMS_FILE)}
+    pngs = render_all(evidence)
     for name, data in pngs.items():
         atomic_write_bytes(run_dir / f"report_{name}.png", data)
     path = run_dir / REPORT_HTML
-    atomic_write_bytes(path, render_html(evidence, manifest, pngs).encode("utf-8"))
+    html_text = render_html(evidence, manifest, pngs, shown,
+                            _read_jsonl(run_dir / "eval_completions.jsonl"), problems)
+    atomic_write_bytes(path, html_text.encode("utf-8"))
     return path

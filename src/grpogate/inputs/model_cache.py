@@ -10,6 +10,7 @@ source.json and checked before use; a damaged, truncated or unpinned entry is re
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -17,6 +18,8 @@ import tempfile
 from pathlib import Path
 
 from grpogate.files import sha256_path
+
+LOG = logging.getLogger("grpogate")  # the CLI prints these lines (terminal.quiet_libraries)
 
 
 def dequantized_cache(gguf: Path, gguf_sha256: str, cache_root: Path) -> Path:
@@ -32,6 +35,9 @@ def dequantized_cache(gguf: Path, gguf_sha256: str, cache_root: Path) -> Path:
             return target
         print(f"grpogate: the model cache {target} is damaged ({problem}); rebuilding it "
               "(about 20 s)", file=sys.stderr)
+    else:
+        # About 20 s of silence otherwise: say what is happening, and that it happens once.
+        LOG.info(f"dequantizing {gguf.name} into {target} (first use only, about 20 s)")
     cache_root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_root))
     try:

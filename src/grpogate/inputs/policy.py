@@ -31,6 +31,9 @@ from grpogate.files import (ADAPTER_WEIGHTS, policy_version, read_safetensors,  
                             sha256_path, tensors_digest)
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The bundled GGUF is a Q4_1 quantization of this Hugging Face model: an adapter trained on it
+# names this id so that PEFT on another machine loads the same architecture by its public name.
+BUNDLED_PUBLIC_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TRAINABLE = "default"
 REFERENCE = "reference"
 
@@ -59,9 +62,17 @@ class BaseModelSource:
     revision: str = ""
     spec: str = ""  # the model as the user named it (e.g. the bundled id), for re-use as baseline
 
+    @property
+    def public_id(self) -> str:
+        """The name another machine loads this base model by: the bundled model's Hugging Face
+        id, a hub id as given; a local directory or .gguf file has no public name, so its path."""
+        if self.spec == BUNDLED_MODEL:
+            return BUNDLED_PUBLIC_ID
+        return self.location
+
     def identity(self) -> dict:
         return {"spec": self.spec, "kind": self.kind, "location": self.location,
-                "sha256": self.sha256, "revision": self.revision}
+                "public_id": self.public_id, "sha256": self.sha256, "revision": self.revision}
 
 
 def default_cache_dir(config: RunConfig) -> Path:
@@ -276,6 +287,10 @@ def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -
         adapter_dir = check_adapter_dir(adapter)
         adapter_sha = sha256_path(adapter_dir / ADAPTER_WEIGHTS)
         model = _load_baseline_adapter(model, adapter_dir)
+        # A delivered adapter names its base by public id; in memory it is the base loaded here,
+        # or PEFT would ask the hub about that id whenever it reads the adapter's state.
+        for adapter_config in model.peft_config.values():
+            adapter_config.base_model_name_or_path = base.load_dir
         baseline_version = policy_version(base.sha256, tensors_sha256(adapter_state(model, REFERENCE)))
     else:
         model = _attach_fresh_lora(model, config)
@@ -365,9 +380,34 @@ def _merged(module, adapter: str, weight: torch.Tensor) -> torch.Tensor:
 
 
 def save_adapter(policy: Policy, directory: Path) -> str:
-    """Write the trainable adapter in PEFT format; return the sha256 of its weights file."""
+    """Write the trainable adapter in PEFT format, loadable elsewhere by the base model's public
+    name (`portable_adapter_files`); return the sha256 of its weights file."""
     policy.model.save_pretrained(directory, selected_adapters=[TRAINABLE], safe_serialization=True)
+    portable_adapter_files(Path(directory), policy.base.load_dir, policy.base.public_id)
     return sha256_path(directory / ADAPTER_WEIGHTS)
+
+
+def portable_adapter_files(directory: Path, local_dir: str, public_id: str) -> None:
+    """Make a saved PEFT adapter load on another machine by the base model's public name.
+
+    PEFT records the directory the base was loaded from (for the bundled GGUF, a path inside
+    this machine's cache) in adapter_config.json and its README; both get the public id
+    instead (the local identity, the weights' sha256, stays in the evidence and manifest).
+    PEFT also writes target_modules from a set, in an order that changes with the process's
+    string-hash seed; sorted, the same run gives the same file (and manifest) every time.
+    """
+    config_file = directory / "adapter_config.json"
+    adapter_config = json.loads(config_file.read_text(encoding="utf-8"))
+    adapter_config["base_model_name_or_path"] = public_id
+    if isinstance(adapter_config.get("target_modules"), list):
+        adapter_config["target_modules"] = sorted(adapter_config["target_modules"])
+    config_file.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n",
+                           encoding="utf-8")
+    readme = directory / "README.md"
+    if readme.is_file():
+        readme.write_text(readme.read_text(encoding="utf-8").replace(local_dir, public_id),
+                          encoding="utf-8")
+
 
 
 def load_adapter_state(directory: Path) -> dict[str, torch.Tensor]:

@@ -316,3 +316,45 @@ def load_problem_sets(task, train_prompts: int, eval_prompts: int, train_source:
     check_isolation(train, eval_set)
     train_id["problem_set_sha256"] = problem_set_hash(train)
     return train, train_id, eval_set, eval_id
+
+
+# ---------------------------------------------------------------- the stored problems
+
+
+def problem_records(task, train: list[Problem], eval_set: list[Problem]) -> list[dict]:
+    """problems.jsonl: every problem of the run with its split, question, reference answer and
+    task, so a reader (and `grpogate decide`) can re-score every completion with no task
+    generator or dataset at hand. `task` has the fields of `config.TaskConfig`."""
+    origin = {"source": task.source}
+    if task.source == "gsm8k":
+        origin |= {"path": task.path}
+    else:
+        origin |= {"name": task.name, "params": dict(task.params)}
+    return [{"prompt_id": problem.prompt_id, "split": split, "question": problem.question,
+             "reference": problem.reference, "origin": problem.source, "task": origin}
+            for split, problems in (("train", train), ("eval", eval_set)) for problem in problems]
+
+
+def problems_from_records(records: list[tuple[int, dict]], where: str
+                          ) -> tuple[list[Problem], list[Problem]]:
+    """The train and eval sets back from (line number, record) pairs of problems.jsonl.
+
+    Each prompt id is recomputed from its question: a stored id that is not the question's hash
+    is refused (InputError naming the line), as is a set that fails the run's own set checks.
+    """
+    sets: dict[str, list[Problem]] = {"train": [], "eval": []}
+    for number, record in records:
+        question, reference = record.get("question"), record.get("reference")
+        split = record.get("split")
+        if not isinstance(question, str) or not isinstance(reference, str) or split not in sets:
+            raise InputError(f"{where}:{number}: needs string question and reference and split "
+                             "train or eval")
+        if record.get("prompt_id") != prompt_id(question):
+            raise InputError(f"{where}:{number}: prompt_id {record.get('prompt_id')!r} is not "
+                             f"the hash of its question ({prompt_id(question)})")
+        sets[split].append(Problem(prompt_id(question), question, reference,
+                                   str(record.get("origin", ""))))
+    for split, problems in sets.items():
+        check_problem_set(problems, split)
+    check_isolation(sets["train"], sets["eval"])
+    return sets["train"], sets["eval"]

@@ -154,8 +154,13 @@ class ReasoningGymVerifier:
     """
 
     def __init__(self, dataset_name: str) -> None:
-        import reasoning_gym  # lazy: keeps `import grpogate.inputs.verifiers` cheap and dependency-free
-        from reasoning_gym.factory import DATASETS
+        try:  # lazy: keeps `import grpogate.inputs.verifiers` cheap and dependency-free
+            import reasoning_gym
+            from reasoning_gym.factory import DATASETS
+        except ImportError as error:  # the scorer is reasoning-gym's own: nothing to fall back on
+            raise ValueError(f"verifier '{REASONING_GYM_PREFIX}{dataset_name}' needs the "
+                             f"reasoning-gym package, which cannot be imported ({error}): "
+                             "pip install reasoning-gym") from None
 
         if dataset_name not in DATASETS:
             raise ValueError(

@@ -145,20 +145,24 @@ def _last_positive(values: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings: SamplingSettings,
-                   eos_ids: set[int], pad_id: int, generator,
-                   device) -> tuple[list[list[int]], list[list[float]]]:
+                   eos_ids: set[int], pad_id: int, generator, device,
+                   advance=None) -> tuple[list[list[int]], list[list[float]]]:
     """Sample `group_size` continuations of each prompt; returns token lists and each token's
     sampler log-prob, prompt-major.
 
     Each prompt is prefilled once and its KV cache repeated G times; a row that emits EOS leaves
     the batch (its cache rows are dropped), so finished sequences cost no further decode steps.
+    `advance(n)` is told of rows as they finish (the progress bar moves during the batch, not
+    only at its end); all rows are reported by the time this returns.
     """
+    advance = advance or (lambda count: None)
     logits = stepper.prefill(prompts, pad_id, group_size, settings.max_new_tokens)
     rows = torch.arange(logits.shape[0], device=device)  # original row of each batch row
     live = torch.ones(len(rows), dtype=torch.bool, device=device)  # not yet past EOS
     tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
     logprobs: list[list[float]] = [[] for _ in range(logits.shape[0])]
     eos = torch.tensor(sorted(eos_ids), device=device)
+    total, reported = len(tokens), 0
     for step in range(settings.max_new_tokens):
         chosen, chosen_logp = _sample(logits, settings.temperature, settings.top_p, generator,
                                       top_k=settings.top_k, min_p=settings.min_p,
@@ -169,17 +173,25 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
                 tokens[row].append(token)
                 logprobs[row].append(logp)
         live = live & ~torch.isin(chosen, eos)
-        if step == settings.max_new_tokens - 1 or not live.any():
+        # Every still-live row is in the batch, so the rows finished so far are the rest.
+        alive_count = int(live.sum())
+        finished = total - alive_count
+        if finished > reported:
+            advance(finished - reported)
+            reported = finished
+        if step == settings.max_new_tokens - 1 or reported == total:
             break
         # Drop finished rows, keeping the row count a multiple of ROW_BUCKET (a few finished
         # rows ride along, their samples ignored) so the decode matmuls keep known shapes.
-        target = min(len(live), round_up(int(live.sum()), ROW_BUCKET))
+        target = min(len(live), round_up(alive_count, ROW_BUCKET))
         if target < len(live):
             keep = torch.cat([torch.nonzero(live).flatten(), torch.nonzero(~live).flatten()])[:target]
             keep = keep.sort().values
             stepper.select(keep)
             rows, chosen, live = rows[keep], chosen[keep], live[keep]
         logits = stepper.step(chosen)
+    if reported < total:  # rows cut off by the token budget
+        advance(total - reported)
     return tokens, logprobs
 
 
@@ -206,7 +218,7 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
             chunk = list(range(start, min(start + prompts_per_batch, len(prompt_token_ids))))
             sampled, logprobs = _decode_groups(
                 stepper, [prompt_token_ids[p] for p in chunk], group_size, settings, eos_ids,
-                tokenizer.pad_token_id, generator, device)
+                tokenizer.pad_token_id, generator, device, advance)
             for offset, (tokens, token_logprobs) in enumerate(zip(sampled, logprobs)):
                 prompt_index, sample_index = chunk[offset // group_size], offset % group_size
                 completion, stopped = _cut_at_eos(tokens, eos_ids)
@@ -214,8 +226,6 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
                     prompt_index, sample_index, prompt_token_ids[prompt_index], completion,
                     tokenizer.decode(completion, skip_special_tokens=True), not stopped,
                     token_logprobs[:len(completion)]))
-            if advance is not None:
-                advance(len(sampled))
     finally:
         model.train(was_training)
     return completions

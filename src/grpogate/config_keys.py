@@ -1,0 +1,92 @@
+"""What each configuration key means: `grpogate config show` prints these lines.
+
+Kept beside config.py rather than in it so the typed configuration stays short to read; the
+key names are config.py's own (flattened with dots: task.name, gates.minimum_reward_gain).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpogate.config import RunConfig, flatten
+
+# One line per key: the only place a key's meaning is written for users (`config show` prints
+# it; tests/test_cli_help.py holds every field of RunConfig to having one, so a new key
+# cannot land without its line).
+KEY_HELP = {
+    "label": "names the run directory runs/<label>; empty: <profile>-<date>-<time>",
+    "out": "explicit run directory (must not exist); overrides runs/<label>",
+    "profile": "the packaged profile the config started from",
+    "model": "base model: bundled id, Hugging Face directory, .gguf file or hub id",
+    "model_revision": "hub revision (commit, tag or branch) of a hub-id model",
+    "adapter": "baseline LoRA adapter directory (PEFT, safetensors) to start from",
+    "baseline_manifest": "an accepted run's manifest.json to start from instead of model/adapter",
+    "cache_dir": "where the GGUF is dequantized once; empty: $GRPOGATE_CACHE or ~/.cache/grpogate",
+    "dtype": "base weights: float32, bfloat16, or auto (bfloat16 where the hardware has it)",
+    "device": "auto, cpu or cuda",
+    "task.source": "where problems come from: reasoning-gym or gsm8k",
+    "task.name": "the reasoning-gym dataset (chain_sum, leg_counting, ...)",
+    "task.params": "the generator's keyword arguments; reset when the task changes",
+    "task.path": "gsm8k: directory with train/test.jsonl, one .jsonl file or a hub dataset id",
+    "task.train_split": "gsm8k split the training problems are drawn from",
+    "task.eval_split": "gsm8k split the held-out re-test problems are drawn from",
+    "task.train_seed": "seed of the training problems (reasoning-gym generation or gsm8k rows)",
+    "task.eval_seed": "seed of the held-out problems; never overlapping the training set",
+    "verifier": "reward verifier; empty: the task's own (reasoning-gym scorer, gsm8k number)",
+    "system_prompt": "system message of every prompt; empty: the task's default",
+    "train_prompts": "training problems in all (steps x prompts_per_step)",
+    "eval_prompts": "held-out problems the baseline and candidate are re-tested on",
+    "steps": "training steps: sets train_prompts = steps x prompts_per_step",
+    "group_size": "G: completions sampled per prompt (TRL num_generations)",
+    "eval_group_size": "completions per held-out prompt in the re-test (pass@k's k)",
+    "prompts_per_step": "prompts sampled per training step",
+    "max_prompt_tokens": "a longer prompt is refused as bad input, never truncated",
+    "max_new_tokens": "completion token budget (TRL max_completion_length)",
+    "temperature": "sampling temperature of rollouts and re-test (> 0)",
+    "top_p": "nucleus sampling mass (1.0: the whole vocabulary)",
+    "top_k": "keep only the k most likely tokens when sampling; 0: off",
+    "min_p": "drop tokens below min_p x the top token's probability; 0: off",
+    "generation_batch_size": "rows decoded together (prompts x G)",
+    "dynamic_sampling": "DAPO: refill a step's shortfall of valid groups with new prompts",
+    "max_generation_rounds": "dynamic sampling: at most this many rounds of generation per step",
+    "rewards": "trained reward components [{name, weight}]: correctness, format, overlong, module:function",
+    "multi_objective_aggregation": "sum_then_normalize, or normalize_then_sum (GDPO)",
+    "overlong_buffer_len": "DAPO soft overlong punishment over the budget's last N tokens",
+    "overlong_penalty_factor": "the overlong punishment reached at the budget's last token",
+    "reward_time_limit_seconds": "time limit per call of a user module:function reward",
+    "lora_r": "LoRA rank of the trained adapter",
+    "lora_alpha": "LoRA scaling numerator (scale = alpha / r)",
+    "lora_dropout": "LoRA dropout during the update",
+    "lora_target_modules": "layers that get LoRA (all-linear or a comma list)",
+    "learning_rate": "AdamW learning rate of the LoRA weights",
+    "weight_decay": "AdamW weight decay",
+    "clip_epsilon": "PPO clip range of the probability ratio (TRL epsilon)",
+    "kl_coef": "weight of the k3 KL penalty to the baseline (TRL beta)",
+    "max_grad_norm": "gradient norm clip per optimizer step",
+    "groups_per_update": "valid groups per optimizer step; 0: all valid groups of a step",
+    "micro_batch_size": "sequences per forward/backward (halved on out-of-memory)",
+    "loss_aggregation": "sequence_mean (DeepSeekMath) or token_mean",
+    "mask_truncated_completions": "completions that hit max_new_tokens add no loss",
+    "seed": "run seed: LoRA init, sampling; the re-test uses seed + 10000",
+    "tensorboard": "directory for TensorBoard event files (implies report_to tensorboard)",
+    "report_to": "trackers that also get the per-step scalars: tensorboard, mlflow, wandb, trackio",
+    "gates.minimum_valid_group_ratio": "tune unless at least this share of groups had reward variance",
+    "gates.minimum_effective_trajectories_per_second": "tune below this training throughput",
+    "gates.minimum_update_count": "tune below this many optimizer steps",
+    "gates.minimum_reward_gain": "tune unless the re-test mean reward gains at least this",
+    "gates.minimum_pass_at_group_gain": "tune unless re-test pass@k gains at least this",
+    "gates.maximum_max_length_hit_ratio": "tune if more completions than this hit max_new_tokens",
+    "gates.maximum_peak_allocated_bytes": "tune if peak memory exceeds this",
+    "gates.require_significant_gain": "gain gates read the 95 % bootstrap lower bound, not the point",
+}
+
+
+def describe_config(config: RunConfig) -> list[tuple[str, Any, str, str]]:
+    """(dotted key, value, type name, meaning) for every key, in the dataclass's order;
+    the derived `steps` right after train_prompts."""
+    rows = []
+    for key, value in flatten(config.to_dict()).items():
+        rows.append((key, value, type(value).__name__, KEY_HELP.get(key, "")))
+        if key == "train_prompts":
+            rows.append(("steps", config.steps, "int", KEY_HELP["steps"]))
+    return rows

@@ -1,0 +1,114 @@
+"""What the terminal shows: progress bars, log lines, the gates table, errors, quiet libraries.
+
+The CLI's commands use these; nothing here runs a pipeline stage. Library noise a user cannot
+act on (transformers' weight-loading bar, a FutureWarning transformers raises inside its own
+gradient-checkpointing property) is silenced here, for the command line only: a Python caller
+of grpogate keeps its own warning and progress-bar settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(highlight=False)
+DECISION_EXIT_CODES = {"accept": 0, "tune": 3, "reject": 4}
+DECISION_STYLE = {"accept": "bold green", "tune": "bold yellow", "reject": "bold red"}
+BYTE_CHECKS = ("memory",)  # gate checks whose value and threshold are byte counts
+
+
+class RichReporter:
+    """Progress bars for rollout, update and evaluation, and one log line per step."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+
+    @contextlib.contextmanager
+    def task(self, description: str, total: int):
+        task_id = self.progress.add_task(description, total=max(total, 1))
+        try:
+            yield lambda advance=1: self.progress.advance(task_id, advance)
+        finally:
+            self.progress.remove_task(task_id)
+
+    def log(self, message: str) -> None:
+        self.progress.console.print(message)
+
+
+def progress_bars(transient: bool = False) -> Progress:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    return Progress(*columns, console=console, transient=transient)
+
+
+class _ConsoleHandler(logging.Handler):
+    """grpogate's own log lines (the GGUF dequantization notice) printed on the console."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        console.print(escape(record.getMessage()), style="dim", soft_wrap=True)
+
+
+def quiet_libraries() -> None:
+    """Silence library output a user cannot act on; show grpogate's own log lines."""
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*",
+                            category=FutureWarning)
+    try:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # "Loading weights: 100%|..."
+        transformers_logging.set_verbosity_error()
+    except ImportError:  # decide / compare need no transformers
+        pass
+    # MLflow configures its own logger at import (INFO: database set-up chatter on first use);
+    # its variable sets that level, unless the user set it already.
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    logger = logging.getLogger("grpogate")
+    if not any(isinstance(h, _ConsoleHandler) for h in logger.handlers):
+        logger.addHandler(_ConsoleHandler())
+    logger.setLevel(logging.INFO)
+
+
+def fail(error: Exception) -> None:
+    # escape: a message quoting "[gates]" or a path with brackets is text, not rich markup.
+    console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def human_bytes(count: float) -> str:
+    """1536 -> "1.5 KiB", 10 * 1024**3 -> "10.0 GiB": binary units, one decimal."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _shown(value, in_bytes: bool) -> str:
+    if in_bytes and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return human_bytes(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def gates_table(decision: dict) -> Table:
+    """One row per check, sized to fit an 80-column terminal: names, values and results never
+    wrap; only a long threshold text (the artifact's) wraps inside its own cell."""
+    table = Table(title="delivery gates", padding=(0, 1), collapse_padding=True)
+    for column in ("check", "value", "threshold", "result", "on fail"):
+        table.add_column(column, no_wrap=column != "threshold", min_width=len(column),
+                         overflow="fold")
+    for row in decision["checks"]:
+        in_bytes = row["name"] in BYTE_CHECKS
+        result = "[green]pass" if row["passed"] else "[red]FAIL"
+        table.add_row(row["name"], _shown(row["value"], in_bytes),
+                      _shown(row["threshold"], in_bytes), result, str(row["on_fail"]))
+    return table
