@@ -7,6 +7,7 @@ Exit codes: 0 the run finished and wrote its decision (whatever it is, unless
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 from typing import Optional

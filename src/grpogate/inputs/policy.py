@@ -220,7 +220,7 @@ def _first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def _load_baseline_adapter(model, adapter_dir: Path):
+def _load_baseline_adapter(model, adapter_dir: Path, base_dir: str):
     """Both copies of the baseline adapter (trainable and frozen reference); InputError when
     it does not fit the model or would load only partly."""
     from peft import PeftModel
@@ -234,6 +234,10 @@ def _load_baseline_adapter(model, adapter_dir: Path):
         # PEFT cannot read: all are this adapter's fault, none a grpogate bug.
         raise InputError(f"{adapter_dir}: does not load onto this base model "
                          f"({_first_line(error)})") from None
+    # A delivered adapter names its base by public id; in memory it is the base loaded here,
+    # or PEFT would ask the hub about that id whenever it reads the adapter's state.
+    for adapter_config in model.peft_config.values():
+        adapter_config.base_model_name_or_path = base_dir
     # PEFT loads what adapter_config.json targets and silently ignores other tensors in the
     # file; the recorded hash would then cover tensors the policy never used.
     in_file = set(read_safetensors(adapter_dir / ADAPTER_WEIGHTS))
@@ -286,11 +290,7 @@ def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -
     if adapter:
         adapter_dir = check_adapter_dir(adapter)
         adapter_sha = sha256_path(adapter_dir / ADAPTER_WEIGHTS)
-        model = _load_baseline_adapter(model, adapter_dir)
-        # A delivered adapter names its base by public id; in memory it is the base loaded here,
-        # or PEFT would ask the hub about that id whenever it reads the adapter's state.
-        for adapter_config in model.peft_config.values():
-            adapter_config.base_model_name_or_path = base.load_dir
+        model = _load_baseline_adapter(model, adapter_dir, base.load_dir)
         baseline_version = policy_version(base.sha256, tensors_sha256(adapter_state(model, REFERENCE)))
     else:
         model = _attach_fresh_lora(model, config)
