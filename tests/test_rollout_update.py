@@ -61,8 +61,8 @@ def snapshot(model) -> dict[str, torch.Tensor]:
 
 
 def update_settings(**overrides) -> UpdateSettings:
-    values = dict(clip_epsilon=0.2, kl_coef=0.02, max_grad_norm=1.0, micro_batch_size=2,
-                  groups_per_update=0, loss_aggregation="sequence_mean", temperature=1.0)
+    values = dict(epsilon=0.2, epsilon_high=0.2, beta=0.02, max_grad_norm=1.0, micro_batch_size=2,
+                  groups_per_update=0, loss_type="grpo", temperature=1.0)
     return UpdateSettings(**{**values, **overrides})
 
 
@@ -297,7 +297,7 @@ def test_one_group_per_update_uses_precomputed_old_logprobs(policy, prompts, mon
     parameters = list(trainable_parameters(policy).values())
     optimizer = torch.optim.AdamW(parameters, lr=5e-2)
     record = run_update(policy, hand_batch(prompts), optimizer, groups_per_update=1,
-                        micro_batch_size=8, clip_epsilon=0.01)
+                        micro_batch_size=8, epsilon=0.01, epsilon_high=0.01)
     assert record.update_count == 2
     assert len(seen) == 2  # one micro-batch per optimizer step
     first_logp, first_old = seen[0]

@@ -290,6 +290,7 @@ def retest_section(evidence: dict, pngs: dict[str, bytes]) -> str:
 
 def training_section(evidence: dict, pngs: dict[str, bytes]) -> str:
     rollout, update = evidence.get("rollout") or {}, evidence.get("update") or {}
+    mismatch = update.get("sampler_trainer_mismatch") or {}
     facts = [("groups (valid / all)", f"{rollout.get('valid_group_count')} / {rollout.get('group_count')}"),
              ("valid group ratio", _fmt(rollout.get("valid_group_ratio"))),
              ("trajectories (effective / total)",
@@ -297,9 +298,22 @@ def training_section(evidence: dict, pngs: dict[str, bytes]) -> str:
              ("effective trajectories / s", _fmt(evidence.get("effective_trajectories_per_second"))),
              ("max-length hit ratio", _fmt(rollout.get("max_length_hit_ratio"))),
              ("optimizer updates", _fmt(update.get("update_count"))),
-             ("clip epsilon / fraction clipped",
-              f"{_fmt(update.get('clip_epsilon'))} / {_fmt(update.get('clip_fraction'))}"),
-             ("KL coefficient / mean KL", f"{_fmt(update.get('kl_coef'))} / {_fmt(update.get('mean_kl'))}"),
+             ("objective (loss_type, importance_sampling_level, num_iterations)",
+              f"{update.get('loss_type')}, {update.get('importance_sampling_level')}, "
+              f"{_fmt(update.get('num_iterations'))}"),
+             ("advantages (scale_rewards) / top_entropy_quantile",
+              f"{update.get('scale_rewards')} / {_fmt(update.get('top_entropy_quantile'))}"),
+             ("clip epsilon / epsilon_high / delta / fraction clipped",
+              f"{_fmt(update.get('epsilon'))} / {_fmt(update.get('epsilon_high'))} / "
+              f"{_fmt(update.get('delta'))} / {_fmt(update.get('clip_fraction'))}"),
+             ("beta / kl_estimator / mean KL", f"{_fmt(update.get('beta'))} / "
+              f"{update.get('kl_estimator')} / {_fmt(update.get('mean_kl'))}"),
+             ("mean entropy of the sampled tokens", _fmt(update.get("entropy"))),
+             ("sampler-trainer |delta log p| mean / max, k3 KL",
+              f"{_fmt(mismatch.get('mean_abs_logp'))} / {_fmt(mismatch.get('max_abs_logp'))}, "
+              f"{_fmt(mismatch.get('k3_kl'))}"),
+             ("rollout_correction (cap)",
+              f"{update.get('rollout_correction')} ({_fmt(update.get('rollout_correction_cap'))})"),
              ("generation tokens / s", _fmt(rollout.get("generation_tokens_per_second")))]
     resources = evidence.get("resources") or {}
     facts += [(f"peak {kind} ({resources.get('device')})", _fmt(resources.get(f"peak_{kind}_bytes"), "bytes"))

@@ -9,7 +9,7 @@ the records written to trajectories.jsonl. All prompts of a step are batched acr
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,9 @@ class Completion:
     completion_token_ids: list[int]  # up to and including EOS when the model stopped
     text: str
     hit_max_length: bool  # no EOS within the token budget: the answer may be cut off
+    # log softmax(logits / temperature) of each drawn token under the sampler's own forward,
+    # one per completion token: the trainer compares its log-probs against these.
+    sampler_logprobs: list[float] = field(default_factory=list)
 
 
 def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str,
@@ -104,6 +107,17 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
     return (order.gather(-1, chosen) if order is not None else chosen).squeeze(-1)
 
 
+def sampled_logprobs(logits: torch.Tensor, chosen: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits [N, V], chosen [N] -> log softmax(logits / T)[chosen], [N] float32.
+
+    The quantity the trainer computes for the same token (`logprobs.token_logprobs`, same
+    formula), so any difference is the two numerical paths', not a definition's. A top-p
+    nucleus is not in it: like the trainer, it is the full distribution at `temperature`.
+    """
+    scaled = logits.float() / temperature  # [N, V]
+    return scaled.gather(1, chosen[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+
+
 def _last_positive(values: torch.Tensor) -> torch.Tensor:
     """[N, K] non-negative -> [N, 1] index of each row's last positive entry."""
     positions = torch.arange(values.shape[1], device=values.device)
@@ -112,8 +126,10 @@ def _last_positive(values: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings: SamplingSettings,
-                   eos_ids: set[int], pad_id: int, generator, device) -> list[list[int]]:
-    """Sample `group_size` continuations of each prompt; returns token lists, prompt-major.
+                   eos_ids: set[int], pad_id: int, generator,
+                   device) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample `group_size` continuations of each prompt; returns token lists and the sampler's
+    log-prob of each token, prompt-major.
 
     Each prompt is prefilled once and its KV cache repeated G times; a row that emits EOS leaves
     the batch (its cache rows are dropped), so finished sequences cost no further decode steps.
@@ -122,12 +138,16 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
     rows = torch.arange(logits.shape[0], device=device)  # original row of each batch row
     live = torch.ones(len(rows), dtype=torch.bool, device=device)  # not yet past EOS
     tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
+    logprobs: list[list[float]] = [[] for _ in range(logits.shape[0])]
     eos = torch.tensor(sorted(eos_ids), device=device)
     for step in range(settings.max_new_tokens):
         chosen = _sample(logits, settings.temperature, settings.top_p, generator)  # [rows]
-        for row, token, alive in zip(rows.tolist(), chosen.tolist(), live.tolist()):
+        chosen_logp = sampled_logprobs(logits, chosen, settings.temperature)  # [rows]
+        for row, token, logp, alive in zip(rows.tolist(), chosen.tolist(), chosen_logp.tolist(),
+                                           live.tolist()):
             if alive:
                 tokens[row].append(token)
+                logprobs[row].append(logp)
         live = live & ~torch.isin(chosen, eos)
         if step == settings.max_new_tokens - 1 or not live.any():
             break
@@ -140,7 +160,7 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
             stepper.select(keep)
             rows, chosen, live = rows[keep], chosen[keep], live[keep]
         logits = stepper.step(chosen)
-    return tokens
+    return tokens, logprobs
 
 
 def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], group_size: int,
@@ -164,14 +184,16 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
     try:
         for start in range(0, len(prompt_token_ids), prompts_per_batch):
             chunk = list(range(start, min(start + prompts_per_batch, len(prompt_token_ids))))
-            sampled = _decode_groups(stepper, [prompt_token_ids[p] for p in chunk], group_size,
-                                     settings, eos_ids, tokenizer.pad_token_id, generator, device)
-            for offset, tokens in enumerate(sampled):
+            sampled, logprobs = _decode_groups(
+                stepper, [prompt_token_ids[p] for p in chunk], group_size, settings, eos_ids,
+                tokenizer.pad_token_id, generator, device)
+            for offset, (tokens, token_logprobs) in enumerate(zip(sampled, logprobs)):
                 prompt_index, sample_index = chunk[offset // group_size], offset % group_size
                 completion, stopped = _cut_at_eos(tokens, eos_ids)
                 completions.append(Completion(
                     prompt_index, sample_index, prompt_token_ids[prompt_index], completion,
-                    tokenizer.decode(completion, skip_special_tokens=True), not stopped))
+                    tokenizer.decode(completion, skip_special_tokens=True), not stopped,
+                    token_logprobs[:len(completion)]))
             if advance is not None:
                 advance(len(sampled))
     finally:
@@ -219,5 +241,6 @@ def trajectory_records(completions: list[Completion], rewards: list[float], prob
             "completion_tokens": len(completion.completion_token_ids),
             "hit_max_length": completion.hit_max_length,
             "reward": float(reward),
+            "sampler_logprobs": completion.sampler_logprobs,
         })
     return records

@@ -172,7 +172,8 @@ def _update(loop: Loop, state: LoopState, step: int, rollout: Rollout):
     config, policy = loop.config, loop.policy
     batch = build_update_batch([c.prompt_token_ids for c in rollout.completions],
                                [c.completion_token_ids for c in rollout.completions],
-                               rollout.rewards, config.group_size)
+                               rollout.rewards, config.group_size, config.scale_rewards,
+                               [c.sampler_logprobs for c in rollout.completions])
     settings = dataclasses.replace(UpdateSettings.from_config(config),
                                    micro_batch_size=state.micro_batch_size)
 
@@ -183,7 +184,8 @@ def _update(loop: Loop, state: LoopState, step: int, rollout: Rollout):
 
     started = time.perf_counter()
     try:
-        with loop.reporter.task(f"step {step + 1}/{config.steps} update", len(batch)) as advance:
+        with loop.reporter.task(f"step {step + 1}/{config.steps} update",
+                                len(batch) * config.num_iterations) as advance:
             record, settings = update_with_retry(
                 policy.model, loop.optimizer, batch, settings, policy.tokenizer.pad_token_id,
                 lambda: reference_mode(policy), loop.checkpoints.trainable.values(), advance,
