@@ -133,7 +133,11 @@ def test_trajectory_records_carry_every_identity(policy, prompts):
     for record, completion, reward in zip(records, completions, rewards):
         assert set(record) == {"step", "prompt_id", "sample_index", "trace_id",
                                "source_policy_version", "verifier_version", "completion",
-                               "completion_tokens", "hit_max_length", "reward"}
+                               "completion_tokens", "hit_max_length", "reward",
+                               "sampler_logprobs"}
+        assert record["sampler_logprobs"] == completion.sampler_logprobs
+        assert len(record["sampler_logprobs"]) == record["completion_tokens"]
+        assert all(value <= 0.0 for value in record["sampler_logprobs"])
         assert record["step"] == 3
         assert record["prompt_id"] == problems()[completion.prompt_index].prompt_id
         assert record["sample_index"] == completion.sample_index
@@ -266,8 +270,10 @@ def test_token_terms_equal_hand_computed_values():
     ref = torch.log(torch.tensor([[0.25, 0.5]]))
     kl_expected = 0.5 + math.log(2) - 1
     for advantage, surrogate, clipped in ((1.0, 1.2, True), (-1.0, -2.0, False)):
-        per_token, kl, was_clipped = objectives.grpo_token_terms(
-            logp, old, ref, torch.tensor([advantage]), 0.2, 0.1)
+        per_token, kl, was_clipped = objectives.policy_token_terms(
+            logp, old, ref, torch.tensor([advantage]), torch.ones(1, 2), loss_type="grpo",
+            level="token", epsilon=0.2, epsilon_high=0.2, delta=0.0, beta=0.1,
+            kl_estimator="k3")
         assert kl[0, 0].item() == pytest.approx(kl_expected, abs=1e-6)
         assert kl[0, 1].item() == pytest.approx(0.0, abs=1e-7)
         assert per_token[0, 0].item() == pytest.approx(-(surrogate - 0.1 * kl_expected), abs=1e-6)
@@ -287,13 +293,13 @@ def test_empty_batch_takes_no_optimizer_step(policy):
 
 def test_one_group_per_update_uses_precomputed_old_logprobs(policy, prompts, monkeypatch):
     seen = []
-    real_terms = objectives.grpo_token_terms
+    real_terms = objectives.policy_token_terms
 
-    def spy(logp, old_logp, *args):
+    def spy(logp, old_logp, *args, **kwargs):
         seen.append((logp.detach().clone(), old_logp.detach().clone()))
-        return real_terms(logp, old_logp, *args)
+        return real_terms(logp, old_logp, *args, **kwargs)
 
-    monkeypatch.setattr(objectives, "grpo_token_terms", spy)
+    monkeypatch.setattr(objectives, "policy_token_terms", spy)
     parameters = list(trainable_parameters(policy).values())
     optimizer = torch.optim.AdamW(parameters, lr=5e-2)
     record = run_update(policy, hand_batch(prompts), optimizer, groups_per_update=1,
