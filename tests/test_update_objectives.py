@@ -14,6 +14,7 @@ from grpogate.inputs.policy import load_policy, reference_mode, sampling_weights
 from grpogate.sampling.decoding import make_stepper
 from grpogate.sampling.rollout import SamplingSettings, encode_prompts, generate_completions
 from grpogate.training import objectives
+from grpogate.training import batching
 from grpogate.training import update as update_module
 from grpogate.training.advantages import UpdateBatch, build_update_batch
 from grpogate.training.update import UpdateSettings, grpo_update, update_with_retry
@@ -97,6 +98,8 @@ def test_two_iterations_see_a_ratio_away_from_one_and_record_the_clip_fraction(
     assert len(summary["clip_fraction_by_iteration"]) == 2
     assert summary["clip_fraction_by_iteration"][0] == 0.0
     assert summary["clip_fraction_by_iteration"][1] > 0.0
+    first_ratio, second_ratio = summary["max_abs_log_ratio_by_iteration"]
+    assert first_ratio < 1e-5 and second_ratio > 0.01  # epsilon 0.01: clipped means > 0.00995
     # 16 real tokens per pass; the step's fraction is the mean of the two passes'
     assert record.tokens == 2 * (4 + 6 + 2 + 4)
     assert summary["clip_fraction"] == pytest.approx(
@@ -145,9 +148,9 @@ def test_the_oom_retry_really_forwards_fewer_rows(policy, prompts, monkeypatch):
 def test_micro_batches_never_exceed_the_micro_batch_size(prompts):
     batch = two_groups(prompts)
     rows = list(range(4))
-    assert update_module.micro_batches(batch, rows, 1) == [[2], [3], [0], [1]]  # group 1 first
-    assert update_module.micro_batches(batch, rows, 2) == [[2, 3], [0, 1]]
-    assert update_module.micro_batches(batch, rows, 4) == [[2, 3, 0, 1]]
+    assert batching.micro_batches(batch, rows, 1) == [[2], [3], [0], [1]]  # group 1 first
+    assert batching.micro_batches(batch, rows, 2) == [[2, 3], [0, 1]]
+    assert batching.micro_batches(batch, rows, 4) == [[2, 3, 0, 1]]
 
 
 # --- the sampler-trainer mismatch ---------------------------------------------------------------
@@ -171,8 +174,8 @@ def test_mismatch_is_exactly_zero_when_the_sampler_logprobs_are_the_trainers(pol
     batch = sampled_batch(policy, prompts)
     own: dict[int, list[float]] = {}
     with torch.no_grad():
-        for micro in update_module.micro_batches(batch, list(range(len(batch))), 4):
-            packed = update_module.pack_rows(batch, micro, EOS, torch.device("cpu"))
+        for micro in batching.micro_batches(batch, list(range(len(batch))), 4):
+            packed = batching.pack_rows(batch, micro, EOS, torch.device("cpu"))
             logp = update_module.shared_prompt_logprobs(policy.model, packed, 4, 1.0)
             for row, index in enumerate(micro):
                 own[index] = logp[row, :len(batch.completion_token_ids[index])].tolist()
@@ -224,6 +227,7 @@ def test_token_tis_reweights_the_update_by_the_capped_sampler_ratio(policy, prom
             lambda: reference_mode(policy), torch.device("cpu"), {})
         record = update_module.UpdateRecord()
         record.pass_tokens.append(0), record.pass_clipped.append(0)
+        record.pass_max_abs_log_ratio.append(0.0)
         rows = list(range(len(batch)))
         denominators = update_module._denominators(step, rows, [rows])
         update_module._backward_micro_batch(step, rows, denominators[0], record)

@@ -227,6 +227,10 @@ def _finish_step(loop: Loop, state: LoopState, step: int, rollout: Rollout, upda
     # before its checkpoint) then never reaches the events file twice.
     if on_step is not None:
         on_step(state.steps[-1])
+    update = record.summary()
+    mismatch = update["mismatch_max_abs_logp"]
     loop.reporter.log(f"step {step + 1}/{config.steps}: reward {summary['mean_reward']:.3f}, "
                       f"valid groups {summary['valid_group_count']}/{summary['group_count']}, "
-                      f"updates {record.update_count}, kl {record.summary()['mean_kl']:.4f}")
+                      f"updates {record.update_count}, kl {update['mean_kl']:.4f}, "
+                      f"clipped {update['clip_fraction']:.3f}"
+                      + (f", sampler max |d logp| {mismatch:.2g}" if mismatch is not None else ""))

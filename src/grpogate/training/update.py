@@ -33,7 +33,8 @@ import torch
 from grpogate.config import RunConfig
 from grpogate.training import objectives
 from grpogate.training.advantages import UpdateBatch
-from grpogate.training.logprobs import PackedGroups, pack_groups, shared_prompt_logprobs
+from grpogate.training.batching import micro_batches, pack_rows, padded_rows, rows_per_prompt, step_plan
+from grpogate.training.logprobs import PackedGroups, shared_prompt_logprobs
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -85,6 +86,7 @@ class UpdateRecord:
     # Per iteration (pass over the rollout): tokens and clipped tokens.
     pass_tokens: list[int] = field(default_factory=list)
     pass_clipped: list[int] = field(default_factory=list)
+    pass_max_abs_log_ratio: list[float] = field(default_factory=list)  # max |log pi / pi_old|
     entropy_sum: float = 0.0  # over the first pass's tokens
     entropy_tokens: int = 0
     # Sampler vs trainer (pi_old), first pass: sum and max |delta log p|, sum of k3.
@@ -107,6 +109,7 @@ class UpdateRecord:
             "clip_fraction": self.clipped_tokens / self.tokens if self.tokens else 0.0,
             "clip_fraction_by_iteration": [c / t if t else 0.0 for c, t in
                                            zip(self.pass_clipped, self.pass_tokens)],
+            "max_abs_log_ratio_by_iteration": self.pass_max_abs_log_ratio,
             "trained_token_fraction": self.trained_tokens / self.tokens if self.tokens else 0.0,
             "entropy": mean(self.entropy_sum, self.entropy_tokens),
             "entropy_tokens": self.entropy_tokens,
@@ -115,67 +118,6 @@ class UpdateRecord:
             "mismatch_max_abs_logp": self.mismatch_abs_max if self.mismatch_tokens else None,
             "mismatch_k3_kl": mean(self.mismatch_k3_sum, self.mismatch_tokens),
         }
-
-
-# --- which rows go where -----------------------------------------------------------------------
-
-
-def _chunks(indexes: list[int], size: int) -> list[list[int]]:
-    return [indexes[i:i + size] for i in range(0, len(indexes), size)]
-
-
-def step_plan(batch: UpdateBatch, groups_per_update: int) -> list[list[int]]:
-    """Sequence indexes of each optimizer step of one pass, whole groups at a time."""
-    groups = sorted(set(batch.group_index))
-    per_step = groups_per_update or len(groups)
-    plan = []
-    for step_groups in _chunks(groups, per_step):
-        wanted = set(step_groups)
-        plan.append([i for i, g in enumerate(batch.group_index) if g in wanted])
-    return plan
-
-
-def micro_batches(batch: UpdateBatch, rows: list[int], micro_batch_size: int) -> list[list[int]]:
-    """Rows per forward/backward, at most `micro_batch_size` of them (never more).
-
-    A micro-batch holds whole groups when a group fits (they share one prompt forward), groups
-    of similar longest completion together so little compute goes to padding; when a group is
-    larger than the micro-batch its completions are split into slices, each forwarded with
-    its own copy of the prompt. Every micro-batch is group-major with equal rows per prompt.
-    """
-    members: dict[int, list[int]] = {}
-    for index in rows:
-        members.setdefault(batch.group_index[index], []).append(index)
-    groups = sorted(members.values(),
-                    key=lambda group: max(len(batch.completion_token_ids[i]) for i in group))
-    if micro_batch_size < batch.group_size:
-        return [piece for group in groups for piece in _chunks(group, micro_batch_size)]
-    per_micro = micro_batch_size // batch.group_size
-    return [[i for group in groups[k:k + per_micro] for i in group]
-            for k in range(0, len(groups), per_micro)]
-
-
-def rows_per_prompt(batch: UpdateBatch, rows: list[int]) -> int:
-    return len(rows) // len({batch.group_index[i] for i in rows})
-
-
-def pack_rows(batch: UpdateBatch, rows: list[int], pad_id: int, device) -> PackedGroups:
-    """Rows group-major, equal rows per prompt (`micro_batches`): one prompt per group."""
-    per_prompt = rows_per_prompt(batch, rows)
-    return pack_groups([batch.prompt_token_ids[i] for i in rows[::per_prompt]],
-                       [batch.completion_token_ids[i] for i in rows], pad_id, device)
-
-
-def _padded(rows: list[int], values: dict[int, list] | list, fill: torch.Tensor) -> torch.Tensor:
-    """Each row's values over a copy of `fill` [N, T] (padded positions keep `fill`'s)."""
-    out = fill.detach().clone()
-    for row, index in enumerate(rows):
-        row_values = values[index]
-        row_values = (row_values if isinstance(row_values, torch.Tensor)
-                      else torch.tensor(row_values, dtype=out.dtype, device=out.device))
-        row_values = row_values[:out.shape[1]]
-        out[row, :row_values.shape[0]] = row_values
-    return out
 
 
 # --- the optimizer steps -----------------------------------------------------------------------
@@ -215,7 +157,7 @@ def _old_logprobs(step: _Step, logp: torch.Tensor, micro: list[int]) -> torch.Te
     # Rows were precomputed in micro-batches of other widths: copy each row's prefix (which
     # covers its completion) over the detached current log-probs, so padded positions have
     # ratio 1 and never produce inf * 0.
-    return _padded(micro, step.old_logp, logp)
+    return padded_rows(micro, step.old_logp, logp)
 
 
 def _surrogate_weights(step: _Step, micro, old, sampler, entropy, mask, record: UpdateRecord):
@@ -264,7 +206,7 @@ def _backward_micro_batch(step: _Step, micro: list[int], denominator: int,
     entropy = entropies[0] if entropies else None
     mask = packed.completion_mask
     old = _old_logprobs(step, logp, micro)
-    sampler = _padded(micro, step.batch.sampler_logprobs, old) if step.batch.sampler_logprobs else None
+    sampler = padded_rows(micro, step.batch.sampler_logprobs, old) if step.batch.sampler_logprobs else None
     if first_pass:
         _record_first_pass(step, old, sampler, entropy, mask, record)
     advantages = torch.tensor([step.batch.advantages[i] for i in micro], device=step.device,
@@ -285,6 +227,8 @@ def _backward_micro_batch(step: _Step, micro: list[int], denominator: int,
     record.tokens += int(mask.sum())
     record.pass_clipped[-1] += clipped
     record.pass_tokens[-1] += int(mask.sum())
+    log_ratio = float(((logp.detach() - old).abs() * mask).max())
+    record.pass_max_abs_log_ratio[-1] = max(record.pass_max_abs_log_ratio[-1], log_ratio)
     record.sequences += len(micro)
     return loss.item()
 
@@ -348,6 +292,7 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
         step.iteration = iteration
         record.pass_tokens.append(0)
         record.pass_clipped.append(0)
+        record.pass_max_abs_log_ratio.append(0.0)
         for rows in plan:
             _optimizer_step(step, optimizer, parameters, rows, record, advance)
     return record
