@@ -170,3 +170,11 @@ def test_unreadable_files_are_mismatches_not_crashes(run_dir):
     assert audit["mismatches"][0]["field"].startswith("evidence.json (not valid JSON")
     result = CliRunner().invoke(app, ["decide", str(run_dir)])
     assert result.exit_code == 4
+
+
+def test_sampler_logprobs_of_the_wrong_length_are_named(run_dir):
+    path = run_dir / "trajectories.jsonl"
+    tokens = json.loads(path.read_text().splitlines()[1])["completion_tokens"]
+    rewrite_line(path, 2, sampler_logprobs=[-0.5] * (tokens + 1))  # one value too many
+    named = fields(audit_run(run_dir))
+    assert "trajectories.jsonl:2 sampler_logprobs" in named
