@@ -373,3 +373,25 @@ def test_sampling_leaves_the_callers_float32_logits_untouched():
     before = logits.clone()
     _sample(logits, 0.7, 0.9, torch.Generator().manual_seed(0))
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_sampled_token_logprobs_are_the_full_distributions_at_the_temperature(top_p):
+    """log softmax(logits / T) of the drawn token, the trainer's quantity, with or without a
+    nucleus: probabilities 0.5, 0.25, 0.125, 0.125 at T = 1 give ln 0.5, ln 0.25, ln 0.125."""
+    from grpogate.sampling.rollout import _sample
+
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    logits = (torch.log(probs) + 3.0).expand(400, -1)  # a shift changes nothing
+    tokens, logprobs = _sample(logits, 1.0, top_p, torch.Generator().manual_seed(0),
+                               with_logprobs=True)
+    assert torch.allclose(logprobs, torch.log(probs)[tokens], atol=1e-6)
+    assert set(tokens.tolist()) == ({0, 1} if top_p < 1 else {0, 1, 2, 3})
+    # T = 0.5 squares and renormalizes: 0.25 / 0.34375 for token 0
+    tokens, logprobs = _sample(logits, 0.5, 1.0, torch.Generator().manual_seed(1),
+                               with_logprobs=True)
+    expected = torch.log(probs ** 2 / (probs ** 2).sum())
+    assert torch.allclose(logprobs, expected[tokens], atol=1e-6)
+    # the tokens are the same draws as without log-probs
+    again = _sample(logits, 0.5, 1.0, torch.Generator().manual_seed(1))
+    assert torch.equal(again, tokens)

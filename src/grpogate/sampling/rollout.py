@@ -69,21 +69,27 @@ SAMPLE_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
-            block: int = SAMPLE_BLOCK) -> torch.Tensor:
-    """logits [N, V] -> token ids [N], sampled at `temperature` within the top-p nucleus.
+            block: int = SAMPLE_BLOCK, with_logprobs: bool = False):
+    """logits [N, V] -> token ids [N], sampled at `temperature` within the top-p nucleus; with
+    `with_logprobs`, also each drawn token's log-prob [N] (see below).
 
     Inverse-CDF sampling with one uniform number per row, in two levels: pick a block of `block`
     tokens by the cumulative block masses, then a token inside it. torch.multinomial draws an
     exponential for every vocabulary entry (49,152 per row here) and a full float64 cumulative
     sum costs as much again; measured, each was a fifth or more of all decoding time.
+    The log-prob is log softmax(logits / T) of the drawn token, the quantity the trainer
+    computes for it (a top-p nucleus is not in it, as it is not in the trainer's): one gather
+    and the total mass this function sums anyway, no pass over the vocabulary of its own.
     """
     # Unnormalized probabilities exp((x - max) / T), built in place in one float32 copy: the
     # inverse CDF scales its draw by the total mass, so no normalization pass is needed.
     scores = logits.to(torch.float32, copy=True)  # never the caller's tensor, even in float32
-    probs = scores.sub_(scores.amax(dim=-1, keepdim=True)).mul_(1.0 / temperature).exp_()  # [N, V]
-    order = None
+    peak = scores.amax(dim=-1, keepdim=True)  # [N, 1]
+    probs = scores.sub_(peak).mul_(1.0 / temperature).exp_()  # [N, V]
+    order, total = None, None  # total: the mass of the full (untruncated) distribution
     if top_p < 1.0:
-        probs = probs.div_(probs.sum(dim=-1, keepdim=True))
+        total = probs.sum(dim=-1, keepdim=True)
+        probs = probs.div_(total)
         probs, order = probs.sort(dim=-1, descending=True)
         outside = probs.cumsum(-1) - probs > top_p  # keep the token that crosses top_p
         probs = probs.masked_fill(outside, 0.0)
@@ -104,18 +110,12 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
     inside = probs.gather(1, index.clamp(max=vocab - 1)).double() * (index < vocab)
     within = torch.searchsorted(inside.cumsum(dim=1), draw - below, right=True)
     chosen = index.gather(1, torch.minimum(within, _last_positive(inside)))  # [N, 1]
-    return (order.gather(-1, chosen) if order is not None else chosen).squeeze(-1)
-
-
-def sampled_logprobs(logits: torch.Tensor, chosen: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits [N, V], chosen [N] -> log softmax(logits / T)[chosen], [N] float32.
-
-    The quantity the trainer computes for the same token (`logprobs.token_logprobs`, same
-    formula), so any difference is the two numerical paths', not a definition's. A top-p
-    nucleus is not in it: like the trainer, it is the full distribution at `temperature`.
-    """
-    scaled = logits.float() / temperature  # [N, V]
-    return scaled.gather(1, chosen[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+    tokens = (order.gather(-1, chosen) if order is not None else chosen).squeeze(-1)
+    if not with_logprobs:
+        return tokens
+    total = cdf[:, -1:] if total is None else total  # [N, 1]
+    exponent = (logits.gather(1, tokens[:, None]).float() - peak) * (1.0 / temperature)
+    return tokens, (exponent - torch.log(total).float()).squeeze(-1)
 
 
 def _last_positive(values: torch.Tensor) -> torch.Tensor:
@@ -141,8 +141,8 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
     logprobs: list[list[float]] = [[] for _ in range(logits.shape[0])]
     eos = torch.tensor(sorted(eos_ids), device=device)
     for step in range(settings.max_new_tokens):
-        chosen = _sample(logits, settings.temperature, settings.top_p, generator)  # [rows]
-        chosen_logp = sampled_logprobs(logits, chosen, settings.temperature)  # [rows]
+        chosen, chosen_logp = _sample(logits, settings.temperature, settings.top_p, generator,
+                                      with_logprobs=True)  # [rows], [rows]
         for row, token, logp, alive in zip(rows.tolist(), chosen.tolist(), chosen_logp.tolist(),
                                            live.tolist()):
             if alive:
