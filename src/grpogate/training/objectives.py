@@ -120,10 +120,11 @@ def mismatch_terms(trainer_logp, sampler_logp) -> tuple[torch.Tensor, torch.Tens
     """|log pi_trainer - log pi_sampler| and the k3 estimate of KL(sampler || trainer), [N, T].
 
     The tokens were drawn by the sampler, so k3 with log r = trainer - sampler estimates
-    KL(pi_sampler || pi_trainer) without bias. Both are 0 exactly when the two agree.
+    KL(pi_sampler || pi_trainer) without bias. Both are 0 exactly when the two agree. In float64
+    with expm1: in float32, exp(x) - x - 1 at |x| ~ 1e-6 (float32 rounding) cancels to noise.
     """
-    log_r = (trainer_logp - sampler_logp).detach()
-    return log_r.abs(), torch.exp(log_r) - log_r - 1
+    log_r = (trainer_logp.detach().double() - sampler_logp.detach().double())
+    return log_r.abs(), torch.expm1(log_r) - log_r
 
 
 def high_entropy_mask(entropy, mask, quantile: float) -> torch.Tensor:
