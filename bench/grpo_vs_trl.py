@@ -68,7 +68,7 @@ def build_config(spec: dict, out: str = ""):
         group_size=s["group_size"], max_new_tokens=s["max_new_tokens"],
         eval_prompts=s["eval_prompts"], eval_group_size=s["eval_samples"],
         learning_rate=s["learning_rate"], lora_r=s["lora_r"], lora_alpha=s["lora_alpha"],
-        lora_dropout=0.0, lora_target_modules="all-linear", kl_coef=0.0, temperature=1.0,
+        lora_dropout=0.0, lora_target_modules="all-linear", beta=0.0, temperature=1.0,
         top_p=1.0, seed=s["seed"], model=s["model"])
 
 

@@ -305,3 +305,11 @@ def test_a_tampered_reward_component_or_its_version_is_named(run_dir):
     assert "trajectories.jsonl:3 rewards.correctness" in found
     assert "trajectories.jsonl:3 reward" not in found  # the total itself was left as scored
     assert "contract.admitted" in found  # line 4's component version breaks its step contract
+
+
+def test_sampler_logprobs_of_the_wrong_length_are_named(run_dir):
+    path = run_dir / "trajectories.jsonl"
+    tokens = json.loads(path.read_text().splitlines()[1])["completion_tokens"]
+    rewrite_line(path, 2, sampler_logprobs=[-0.5] * (tokens + 1))  # one value too many
+    named = fields(audit_run(run_dir))
+    assert "trajectories.jsonl:2 sampler_logprobs" in named

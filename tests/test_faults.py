@@ -129,8 +129,8 @@ def _problem():
     return Problem(prompt_id("What is 3 + 4?"), "What is 3 + 4?", "7", "test:0")
 
 
-SETTINGS = UpdateSettings(clip_epsilon=0.2, kl_coef=0.02, max_grad_norm=1.0, micro_batch_size=8,
-                          groups_per_update=1, loss_aggregation="sequence_mean", temperature=1.0)
+SETTINGS = UpdateSettings(epsilon=0.2, epsilon_high=0.2, beta=0.02, max_grad_norm=1.0, micro_batch_size=8,
+                          groups_per_update=1, loss_type="grpo", temperature=1.0)
 
 
 def trainable_copy(policy) -> list[torch.Tensor]:

@@ -133,7 +133,7 @@ def test_evidence_records_every_spec_quantity(finished):
     assert rollout["decode_paths"] == ["lean"]
     assert [s["decode_path"] for s in evidence["steps"]] == ["lean"] * STEPS
     assert rollout["generation_tokens_per_second"] > 0
-    assert update["clip_epsilon"] == config.clip_epsilon and update["kl_coef"] == config.kl_coef
+    assert update["epsilon"] == config.epsilon and update["beta"] == config.beta
     assert update["mean_kl"] >= 0.0
     assert 0.0 <= update["clip_fraction"] <= 1.0
     assert update["update_count"] == STEPS  # one optimizer step per rollout (groups_per_update 0)

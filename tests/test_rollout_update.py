@@ -63,8 +63,8 @@ def snapshot(model) -> dict[str, torch.Tensor]:
 
 
 def update_settings(**overrides) -> UpdateSettings:
-    values = dict(clip_epsilon=0.2, kl_coef=0.02, max_grad_norm=1.0, micro_batch_size=2,
-                  groups_per_update=0, loss_aggregation="sequence_mean", temperature=1.0)
+    values = dict(epsilon=0.2, epsilon_high=0.2, beta=0.02, max_grad_norm=1.0, micro_batch_size=2,
+                  groups_per_update=0, loss_type="grpo", temperature=1.0)
     return UpdateSettings(**{**values, **overrides})
 
 
@@ -142,7 +142,10 @@ def test_trajectory_records_carry_every_identity(policy, prompts):
         assert set(record) == {"step", "round", "prompt_id", "sample_index", "trace_id",
                                "source_policy_version", "verifier_version", "reward_versions",
                                "completion", "completion_tokens", "hit_max_length", "rewards",
-                               "reward"}
+                               "reward", "sampler_logprobs"}
+        assert record["sampler_logprobs"] == completion.sampler_logprobs
+        assert len(record["sampler_logprobs"]) == record["completion_tokens"]
+        assert all(value <= 0.0 for value in record["sampler_logprobs"])
         assert record["step"] == 3 and record["round"] == 1
         assert record["prompt_id"] == problems()[completion.prompt_index].prompt_id
         assert record["sample_index"] == completion.sample_index
@@ -285,8 +288,10 @@ def test_token_terms_equal_hand_computed_values():
     ref = torch.log(torch.tensor([[0.25, 0.5]]))
     kl_expected = 0.5 + math.log(2) - 1
     for advantage, surrogate, clipped in ((1.0, 1.2, True), (-1.0, -2.0, False)):
-        per_token, kl, was_clipped = objectives.grpo_token_terms(
-            logp, old, ref, torch.tensor([advantage]), 0.2, 0.1)
+        per_token, kl, was_clipped = objectives.policy_token_terms(
+            logp, old, ref, torch.tensor([advantage]), torch.ones(1, 2), loss_type="grpo",
+            level="token", epsilon=0.2, epsilon_high=0.2, delta=0.0, beta=0.1,
+            kl_estimator="k3")
         assert kl[0, 0].item() == pytest.approx(kl_expected, abs=1e-6)
         assert kl[0, 1].item() == pytest.approx(0.0, abs=1e-7)
         assert per_token[0, 0].item() == pytest.approx(-(surrogate - 0.1 * kl_expected), abs=1e-6)
@@ -306,17 +311,17 @@ def test_empty_batch_takes_no_optimizer_step(policy):
 
 def test_one_group_per_update_uses_precomputed_old_logprobs(policy, prompts, monkeypatch):
     seen = []
-    real_terms = objectives.grpo_token_terms
+    real_terms = objectives.policy_token_terms
 
-    def spy(logp, old_logp, *args):
+    def spy(logp, old_logp, *args, **kwargs):
         seen.append((logp.detach().clone(), old_logp.detach().clone()))
-        return real_terms(logp, old_logp, *args)
+        return real_terms(logp, old_logp, *args, **kwargs)
 
-    monkeypatch.setattr(objectives, "grpo_token_terms", spy)
+    monkeypatch.setattr(objectives, "policy_token_terms", spy)
     parameters = list(trainable_parameters(policy).values())
     optimizer = torch.optim.AdamW(parameters, lr=5e-2)
     record = run_update(policy, hand_batch(prompts), optimizer, groups_per_update=1,
-                        micro_batch_size=8, clip_epsilon=0.01)
+                        micro_batch_size=8, epsilon=0.01, epsilon_high=0.01)
     assert record.update_count == 2
     assert len(seen) == 2  # one micro-batch per optimizer step
     first_logp, first_old = seen[0]
@@ -397,7 +402,7 @@ def test_masked_truncated_completion_adds_no_loss(policy, prompts):
     def gradients(batch):
         optimizer = torch.optim.AdamW(parameters, lr=0.0)  # grads stay; parameters do not move
         record = grpo_update(policy.model, optimizer, batch,
-                             update_settings(kl_coef=0.0, max_grad_norm=1e9), EOS,
+                             update_settings(beta=0.0, max_grad_norm=1e9), EOS,
                              lambda: reference_mode(policy), parameters)
         return record, [p.grad.clone() for p in parameters]
 
@@ -448,13 +453,13 @@ def test_top_k_and_min_p_truncate_and_the_logprob_is_the_truncated_distributions
 
 def test_a_truncating_sampler_is_the_ratios_old_policy(policy, prompts, monkeypatch):
     seen = []
-    real_terms = objectives.grpo_token_terms
+    real_terms = objectives.policy_token_terms
 
-    def spy(logp, old_logp, *args):
+    def spy(logp, old_logp, *args, **kwargs):
         seen.append((logp.detach().clone(), old_logp.detach().clone()))
-        return real_terms(logp, old_logp, *args)
+        return real_terms(logp, old_logp, *args, **kwargs)
 
-    monkeypatch.setattr(objectives, "grpo_token_terms", spy)
+    monkeypatch.setattr(objectives, "policy_token_terms", spy)
     batch = hand_batch(prompts)
     # The sampler's log-probs under a truncated distribution are higher than the full ones:
     # here every token's is log 0.5, far from what the random model gives.
@@ -464,3 +469,27 @@ def test_a_truncating_sampler_is_the_ratios_old_policy(policy, prompts, monkeypa
     mask = old != logp  # padded positions keep the detached current value (ratio 1)
     assert mask.sum() == 4 + 6 + 2 + 4
     assert torch.allclose(old[mask], torch.full((16,), math.log(0.5)))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_sampled_token_logprobs_are_those_of_the_distribution_sampled_from(top_p):
+    """Without truncation, log softmax(logits / T) of the drawn token, the trainer's quantity:
+    probabilities 0.5, 0.25, 0.125, 0.125 at T = 1 give ln 0.5, ln 0.25, ln 0.125. A top-p 0.6
+    nucleus keeps {0.5, 0.25} (0.5 < 0.6 <= 0.75), renormalized: ln 2/3 and ln 1/3."""
+    from grpogate.sampling.rollout import _sample
+
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    logits = (torch.log(probs) + 3.0).expand(400, -1)  # a shift changes nothing
+    tokens, logprobs = _sample(logits, 1.0, top_p, torch.Generator().manual_seed(0),
+                               with_logprobs=True)
+    sampled_from = (torch.tensor([2 / 3, 1 / 3, 0.0, 0.0]) if top_p < 1 else probs)
+    assert torch.allclose(logprobs, torch.log(sampled_from)[tokens], atol=1e-6)
+    assert set(tokens.tolist()) == ({0, 1} if top_p < 1 else {0, 1, 2, 3})
+    # T = 0.5 squares and renormalizes: 0.25 / 0.34375 for token 0
+    tokens, logprobs = _sample(logits, 0.5, 1.0, torch.Generator().manual_seed(1),
+                               with_logprobs=True)
+    expected = torch.log(probs ** 2 / (probs ** 2).sum())
+    assert torch.allclose(logprobs, expected[tokens], atol=1e-6)
+    # the tokens are the same draws as without log-probs
+    again = _sample(logits, 0.5, 1.0, torch.Generator().manual_seed(1))
+    assert torch.equal(again, tokens)

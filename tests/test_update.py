@@ -6,17 +6,23 @@ import pytest
 import torch
 
 from grpogate.training.advantages import build_update_batch, group_advantages, valid_group_mask
-from grpogate.training.objectives import (aggregate_loss, grpo_token_terms, loss_denominator,
-                                          micro_batch_loss)
+from grpogate.training.objectives import aggregate_loss, loss_denominator, policy_token_terms
 
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_epsilon, kl_coef, aggregation):
+def token_terms(logp, old_logp, ref_logp, advantages, epsilon, beta, mask=None,
+                loss_type="grpo"):
+    mask = torch.ones_like(logp) if mask is None else mask
+    return policy_token_terms(logp, old_logp, ref_logp, advantages, mask, loss_type=loss_type,
+                              level="token", epsilon=epsilon, epsilon_high=epsilon, delta=0.0,
+                              beta=beta, kl_estimator="k3")
+
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, mask, epsilon, beta, loss_type):
     """The loss of a step that is one micro-batch: the update's own composition."""
-    denominator = loss_denominator(mask.sum(-1).long().tolist(), aggregation)
-    loss, _, _ = micro_batch_loss(logp, old_logp, ref_logp, advantages, mask,
-                                  clip_epsilon=clip_epsilon, kl_coef=kl_coef,
-                                  aggregation=aggregation, denominator=denominator)
-    return loss
+    per_token, _, _ = token_terms(logp, old_logp, ref_logp, advantages, epsilon, beta, mask,
+                                  loss_type)
+    denominator = loss_denominator(mask.sum(-1).long().tolist(), loss_type, 48)
+    return aggregate_loss(per_token, mask, loss_type) / denominator
 
 # SPEC §4's reference groups.
 REFERENCE_REWARDS = [[0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0],
@@ -67,8 +73,8 @@ def test_on_policy_loss_is_minus_the_advantage_mean():
     logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     advantages = torch.tensor([0.5, -1.0])
-    sequence = grpo_loss(logp, logp, None, advantages, mask, 0.2, 0.0, "sequence_mean")
-    token = grpo_loss(logp, logp, None, advantages, mask, 0.2, 0.0, "token_mean")
+    sequence = grpo_loss(logp, logp, None, advantages, mask, 0.2, 0.0, "grpo")
+    token = grpo_loss(logp, logp, None, advantages, mask, 0.2, 0.0, "dapo")
     assert sequence.item() == pytest.approx(0.25)
     assert token.item() == pytest.approx(0.0)
 
@@ -81,7 +87,7 @@ def test_clipping_and_k3_kl_by_hand():
     logp = old + 0.5
     ref = logp + math.log(0.5)
     advantages = torch.tensor([1.0, -1.0])
-    per_token, kl, clipped = grpo_token_terms(logp, old, ref, advantages, 0.2, 0.1)
+    per_token, kl, clipped = token_terms(logp, old, ref, advantages, 0.2, 0.1)
     k3 = 0.5 - math.log(0.5) - 1
     assert kl.flatten().tolist() == pytest.approx([k3, k3], abs=1e-6)
     assert clipped.flatten().tolist() == [True, False]
@@ -89,14 +95,14 @@ def test_clipping_and_k3_kl_by_hand():
         [-(1.2 - 0.1 * k3), -(-math.exp(0.5) - 0.1 * k3)], abs=1e-6)
     # the whole loss: mean of the two one-token sequences
     mask = torch.ones(2, 1)
-    loss = grpo_loss(logp, old, ref, advantages, mask, 0.2, 0.1, "sequence_mean")
+    loss = grpo_loss(logp, old, ref, advantages, mask, 0.2, 0.1, "grpo")
     assert loss.item() == pytest.approx(((-1.2 + 0.1 * k3) + (math.exp(0.5) + 0.1 * k3)) / 2, abs=1e-6)
 
 
 def test_gradient_of_clipped_token_is_zero():
     old = torch.tensor([[0.0]])
     logp = torch.tensor([[0.5]], requires_grad=True)
-    loss = grpo_loss(logp, old, None, torch.tensor([1.0]), torch.ones(1, 1), 0.2, 0.0, "sequence_mean")
+    loss = grpo_loss(logp, old, None, torch.tensor([1.0]), torch.ones(1, 1), 0.2, 0.0, "grpo")
     loss.backward()
     assert logp.grad.item() == 0.0  # above 1+eps with a positive advantage: no push further
 
@@ -108,11 +114,12 @@ def test_micro_batches_sum_to_the_whole_batch_loss():
     old = logp + 0.1 * torch.randn(4, 3)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.float32)
     advantages = torch.tensor([0.7, -0.3, 1.1, -1.5])
-    for aggregation in ("sequence_mean", "token_mean"):
-        whole = grpo_loss(logp, old, None, advantages, mask, 0.2, 0.0, aggregation)
-        denominator = loss_denominator(mask.sum(-1).long().tolist(), aggregation)
+    for loss_type in ("grpo", "dapo", "dr_grpo", "cispo"):
+        whole = grpo_loss(logp, old, None, advantages, mask, 0.2, 0.0, loss_type)
+        denominator = loss_denominator(mask.sum(-1).long().tolist(), loss_type, 48)
         parts = 0.0
         for rows in ([0, 1], [2, 3]):
-            per_token, _, _ = grpo_token_terms(logp[rows], old[rows], None, advantages[rows], 0.2, 0.0)
-            parts += aggregate_loss(per_token, mask[rows], aggregation) / denominator
+            per_token, _, _ = token_terms(logp[rows], old[rows], None, advantages[rows], 0.2, 0.0,
+                                          mask[rows], loss_type)
+            parts += aggregate_loss(per_token, mask[rows], loss_type) / denominator
         assert parts.item() == pytest.approx(whole.item(), abs=1e-6)

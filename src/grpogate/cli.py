@@ -14,7 +14,6 @@ from typing import Optional
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from grpogate import cli_eval
 from grpogate.config import load_config

@@ -122,12 +122,27 @@ class RunConfig:
     lora_target_modules: str = "all-linear"
     learning_rate: float = 5e-5
     weight_decay: float = 0.0
-    clip_epsilon: float = 0.2
-    kl_coef: float = 0.02
-    max_grad_norm: float = 1.0
+    # The objective, named as TRL's GRPOConfig names it (training/objectives.py has the maths).
+    # grpo: token mean per sequence, then mean over sequences (DeepSeekMath); bnpo: token mean
+    # per micro-batch; dapo: token mean over the optimizer step; dr_grpo: token sum over
+    # sequences x max_new_tokens; cispo: clipped detached weight x log-prob (MiniMax-M1).
+    loss_type: str = "grpo"
+    importance_sampling_level: str = "token"  # "sequence": GSPO's length-normalized ratio
+    epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
+    epsilon_high: float = 0.0  # upper clip 1 + epsilon_high (DAPO: 0.28); 0 -> epsilon
+    delta: float = 0.0  # dual clip: the unclipped ratio capped at delta (> 1 + epsilon_high); 0 -> off
+    beta: float = 0.02  # KL coefficient; 0 -> no reference forward at all
+    kl_estimator: str = "k3"  # k1, k2 or k3 (Schulman 2020)
+    scale_rewards: str = "group"  # advantage std: group, batch or none (Dr. GRPO)
+    num_iterations: int = 1  # optimizer passes over each rollout (mu)
+    top_entropy_quantile: float = 1.0  # train on the top fraction of tokens by entropy; 1 -> all
+    # Truncated importance sampling for the sampler-trainer mismatch: none, token_tis or
+    # sequence_mask, with the cap on pi_old / pi_sampler.
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 2.0
+    max_grad_norm: float = 1.0  # gradient-norm clip, > 0
     groups_per_update: int = 0  # valid groups per optimizer step; 0 -> all valid groups of a step
     micro_batch_size: int = 16  # sequences per forward/backward
-    loss_aggregation: str = "sequence_mean"  # DeepSeekMath: token mean per sequence, then mean
     # Completions that hit max_new_tokens add no loss (their group's advantages still count them).
     mask_truncated_completions: bool = False
 
@@ -154,6 +169,9 @@ class RunConfig:
             return self.system_prompt
         return GSM8K_SYSTEM_PROMPT if self.task.source == "gsm8k" else CHAIN_SUM_SYSTEM_PROMPT
 
+    def resolved_epsilon_high(self) -> float:
+        return self.epsilon_high or self.epsilon
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -163,7 +181,6 @@ def step_count(train_prompts: int, prompts_per_step: int) -> int:
     return train_prompts // prompts_per_step
 
 
-LOSS_AGGREGATIONS = ("sequence_mean", "token_mean")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 BUILT_IN_REWARDS = ("correctness", "format", "overlong")  # inputs/rewards.py implements them
 USER_REWARD_PATH = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
@@ -200,13 +217,25 @@ def _validate_rewards(config: RunConfig, need) -> None:
          "overlong_penalty_factor must be a finite number >= 0")
     need(math.isfinite(config.reward_time_limit_seconds) and config.reward_time_limit_seconds > 0,
          "reward_time_limit_seconds must be a finite number > 0")
+
+
 SEED_LIMIT = 2**32
 
 
 def _leaves(config: RunConfig) -> list[tuple[str, Any]]:
     """(dotted name, value) of every plain field, nested tables flattened (task.params kept)."""
     return [(name, value) for name, value in flatten(config.to_dict()).items()]
+
+
 REPORTERS = ("tensorboard", "mlflow", "wandb", "trackio")  # report_to values, as TRL names them
+# Knobs renamed to TRL's names: a config using the old one is told the new one.
+RENAMED_KEYS = {"clip_epsilon": "epsilon", "kl_coef": "beta",
+                "loss_aggregation": "loss_type (sequence_mean -> grpo, token_mean -> dapo)"}
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+SCALE_REWARDS = ("group", "batch", "none")
+ROLLOUT_CORRECTIONS = ("none", "token_tis", "sequence_mask")
 DTYPES = ("float32", "bfloat16", "auto")
 
 
@@ -248,13 +277,15 @@ def validate(config: RunConfig) -> RunConfig:
          "generation_batch_size and micro_batch_size must be >= 1")
     need(config.groups_per_update >= 0, "groups_per_update must be >= 0 (0 = all valid groups)")
     need(config.lora_r >= 1 and config.lora_alpha > 0, "lora_r must be >= 1 and lora_alpha > 0")
-    for name in ("learning_rate", "clip_epsilon", "kl_coef", "max_grad_norm", "weight_decay"):
+    for name in ("learning_rate", "epsilon", "epsilon_high", "delta", "beta", "max_grad_norm",
+                 "weight_decay", "rollout_correction_cap"):
         value = getattr(config, name)
         need(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
              f"{name} must be a finite number >= 0 (got {value!r})")
-    need(config.learning_rate > 0 and config.clip_epsilon > 0, "learning_rate and clip_epsilon must be > 0")
-    need(config.loss_aggregation in LOSS_AGGREGATIONS,
-         f"loss_aggregation must be one of {LOSS_AGGREGATIONS} (got {config.loss_aggregation!r})")
+    need(config.learning_rate > 0 and config.epsilon > 0, "learning_rate and epsilon must be > 0")
+    need(config.max_grad_norm > 0, f"max_grad_norm must be > 0 (got {config.max_grad_norm!r}): "
+         "0 would scale every gradient to zero while optimizer steps are still counted")
+    _validate_objective(config, need)
     need(config.dtype in DTYPES, f"dtype must be one of {DTYPES} (got {config.dtype!r})")
     need(config.device in ("auto", "cpu", "cuda"), "device must be auto, cpu or cuda")
     need(config.task.source in ("reasoning-gym", "gsm8k"),
@@ -271,6 +302,28 @@ def validate(config: RunConfig) -> RunConfig:
 
     validate_gates(dataclasses.asdict(config.gates))
     return config
+
+
+def _validate_objective(config: RunConfig, need) -> None:
+    """The objective's knobs: known names, and bounds that keep the clip meaningful."""
+    for name, known in (("loss_type", LOSS_TYPES),
+                        ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
+                        ("kl_estimator", KL_ESTIMATORS), ("scale_rewards", SCALE_REWARDS),
+                        ("rollout_correction", ROLLOUT_CORRECTIONS)):
+        value = getattr(config, name)
+        need(value in known, f"{name} must be one of {', '.join(known)} (got {value!r})")
+    need(config.epsilon < 1, f"epsilon must be < 1 (got {config.epsilon}): the lower clip bound "
+         "is 1 - epsilon")
+    need(config.delta == 0 or config.delta > 1 + config.resolved_epsilon_high(),
+         f"delta must be 0 (off) or > 1 + epsilon_high = {1 + config.resolved_epsilon_high()} "
+         f"(got {config.delta}): it caps the ratio above the clip range")
+    need(config.num_iterations >= 1, f"num_iterations must be >= 1 (got {config.num_iterations})")
+    need(0 < config.top_entropy_quantile <= 1,
+         f"top_entropy_quantile must be in (0, 1] (got {config.top_entropy_quantile}); 1 trains "
+         "on every token, 0.2 on the top 20 % by entropy")
+    need(config.rollout_correction == "none" or config.rollout_correction_cap >= 1,
+         f"rollout_correction_cap must be >= 1 (got {config.rollout_correction_cap}): it caps "
+         "pi_old / pi_sampler, which is 1 when they agree")
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -339,6 +392,8 @@ def _apply(target: Any, table: dict, where: str) -> None:
     """Copy a (nested) table onto a dataclass, rejecting unknown keys and wrong types."""
     known = {f.name: f for f in fields(target)}
     for key, value in table.items():
+        if key not in known and key in RENAMED_KEYS and "epsilon" in known:
+            raise InputError(f"{where}: {key!r} was renamed to {RENAMED_KEYS[key]}, TRL's name")
         if key not in known:
             raise InputError(f"{where}: unknown key {key!r}; known: {', '.join(sorted(known))}")
         current = getattr(target, key)

@@ -132,21 +132,41 @@ def rollout_section(trajectories: list[dict], steps: list[dict], seconds: dict, 
             "verifier_errors": verifier_errors}
 
 
+# The objective's knobs, recorded in the update section as configured.
+OBJECTIVE_KEYS = ("loss_type", "importance_sampling_level", "epsilon", "delta", "beta",
+                  "kl_estimator", "scale_rewards", "num_iterations", "top_entropy_quantile",
+                  "rollout_correction", "rollout_correction_cap")
+
+
+def _weighted_mean(steps: list[dict], key: str, weight: str):
+    """The `weight`-weighted mean of a per-step value over the steps that measured it."""
+    measured = [s for s in steps if s.get(key) is not None and s.get(weight)]
+    total = sum(s[weight] for s in measured)
+    return sum(s[key] * s[weight] for s in measured) / total if total else None
+
+
 def update_section(config: dict, steps: list[dict], seconds: dict, micro_batch_size: int,
                    oom_retries: int) -> dict:
-    """The update totals over the per-step records (token-weighted KL and clip fraction)."""
+    """The update totals over the per-step records (token-weighted KL, clip fraction, entropy
+    and sampler-trainer mismatch; the largest mismatch of any step)."""
     tokens = sum(s["tokens"] for s in steps)
-
-    def token_mean(key: str) -> float:
-        return sum(s[key] * s["tokens"] for s in steps) / tokens if tokens else 0.0
-
+    maxima = [s["mismatch_max_abs_logp"] for s in steps
+              if s.get("mismatch_max_abs_logp") is not None]
     return {
         "update_count": sum(s["update_count"] for s in steps), "update_seconds": seconds["update"],
-        "clip_epsilon": config["clip_epsilon"], "kl_coef": config["kl_coef"],
-        "mean_kl": token_mean("mean_kl"), "clip_fraction": token_mean("clip_fraction"),
+        **{key: config[key] for key in OBJECTIVE_KEYS},
+        "epsilon_high": config["epsilon_high"] or config["epsilon"],
+        "mean_kl": _weighted_mean(steps, "mean_kl", "tokens") or 0.0,
+        "clip_fraction": _weighted_mean(steps, "clip_fraction", "tokens") or 0.0,
+        "entropy": _weighted_mean(steps, "entropy", "entropy_tokens"),
+        "sampler_trainer_mismatch": {
+            "tokens": sum(s.get("mismatch_tokens", 0) for s in steps),
+            "mean_abs_logp": _weighted_mean(steps, "mismatch_mean_abs_logp", "mismatch_tokens"),
+            "max_abs_logp": max(maxima) if maxima else None,
+            "k3_kl": _weighted_mean(steps, "mismatch_k3_kl", "mismatch_tokens")},
         "grad_norm": [g for s in steps for g in s["grad_norm"]],
         "learning_rate": config["learning_rate"], "optimizer": "AdamW",
-        "max_grad_norm": config["max_grad_norm"], "loss_aggregation": config["loss_aggregation"],
+        "max_grad_norm": config["max_grad_norm"],
         "trained_sequences": sum(s["sequences"] for s in steps), "trained_tokens": tokens,
         # Forwarded with their group but adding no loss: they hit max_new_tokens.
         "mask_truncated_completions": config.get("mask_truncated_completions", False),

@@ -273,6 +273,12 @@ def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]]
             audit.mismatch(f"{where} hit_max_length", record.get("hit_max_length"),
                            f"consistent with {record.get('completion_tokens')!r} tokens of "
                            f"max_new_tokens={max_new_tokens!r}")
+        logprobs = record.get("sampler_logprobs")
+        if logprobs is not None and (not isinstance(logprobs, list)
+                                     or len(logprobs) != record.get("completion_tokens")):
+            audit.mismatch(f"{where} sampler_logprobs", f"{len(logprobs)!r} values" if
+                           isinstance(logprobs, list) else logprobs,
+                           f"one per completion token ({record.get('completion_tokens')!r})")
         if references is None or verifier is None:
             continue
         reference = references.get(str(record.get("prompt_id")))

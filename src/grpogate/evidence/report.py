@@ -140,8 +140,10 @@ def configuration_section(evidence: dict) -> str:
     seeds = evidence.get("seeds") or {}
     steps = (config.get("train_prompts") or 0) // max(config.get("prompts_per_step") or 1, 1)
     rows = [
-        ("objective", f"GRPO: clipped surrogate (epsilon {config.get('clip_epsilon')}) + k3 KL to "
-                      f"the baseline, loss {config.get('loss_aggregation')}"),
+        ("objective", f"loss_type {config.get('loss_type')}, importance sampling "
+                      f"{config.get('importance_sampling_level')}, epsilon {config.get('epsilon')} / "
+                      f"{config.get('epsilon_high') or config.get('epsilon')}, num_iterations "
+                      f"{config.get('num_iterations')}, scale_rewards {config.get('scale_rewards')}"),
         ("model", config.get("model")), ("baseline adapter", config.get("adapter") or "none"),
         ("task", f"{task.get('source')} {task.get('name') if task.get('source') != 'gsm8k' else task.get('path')} "
                  f"params {json.dumps(task.get('params'))}"),
@@ -150,7 +152,7 @@ def configuration_section(evidence: dict) -> str:
         ("learning rate (AdamW), weight decay", f"{config.get('learning_rate')}, {config.get('weight_decay')}"),
         ("LoRA r / alpha / dropout / targets", f"{config.get('lora_r')} / {config.get('lora_alpha')} / "
                                                f"{config.get('lora_dropout')} / {config.get('lora_target_modules')}"),
-        ("KL coefficient (beta)", config.get("kl_coef")),
+        ("KL coefficient (beta)", f"{config.get('beta')} ({config.get('kl_estimator')})"),
         ("sampling", f"temperature {config.get('temperature')}, top_p {config.get('top_p')}, "
                      f"max_new_tokens {config.get('max_new_tokens')}"),
         ("re-test", f"{config.get('eval_prompts')} prompts x {config.get('eval_group_size')} samples"),
@@ -264,6 +266,7 @@ def completions_section(evidence: dict, eval_records: list[dict], problems: dict
 
 def training_section(evidence: dict, pngs: dict[str, bytes]) -> str:
     rollout, update = evidence.get("rollout") or {}, evidence.get("update") or {}
+    mismatch = update.get("sampler_trainer_mismatch") or {}
     facts = [("groups (valid / all)", f"{rollout.get('valid_group_count')} / {rollout.get('group_count')}"),
              ("valid group ratio", _fmt(rollout.get("valid_group_ratio"))),
              ("trajectories (effective / total)",
@@ -271,9 +274,22 @@ def training_section(evidence: dict, pngs: dict[str, bytes]) -> str:
              ("effective trajectories / s", _fmt(evidence.get("effective_trajectories_per_second"))),
              ("max-length hit ratio", _fmt(rollout.get("max_length_hit_ratio"))),
              ("optimizer updates", _fmt(update.get("update_count"))),
-             ("clip epsilon / fraction clipped",
-              f"{_fmt(update.get('clip_epsilon'))} / {_fmt(update.get('clip_fraction'))}"),
-             ("KL coefficient / mean KL", f"{_fmt(update.get('kl_coef'))} / {_fmt(update.get('mean_kl'))}"),
+             ("objective (loss_type, importance_sampling_level, num_iterations)",
+              f"{update.get('loss_type')}, {update.get('importance_sampling_level')}, "
+              f"{_fmt(update.get('num_iterations'))}"),
+             ("advantages (scale_rewards) / top_entropy_quantile",
+              f"{update.get('scale_rewards')} / {_fmt(update.get('top_entropy_quantile'))}"),
+             ("clip epsilon / epsilon_high / delta / fraction clipped",
+              f"{_fmt(update.get('epsilon'))} / {_fmt(update.get('epsilon_high'))} / "
+              f"{_fmt(update.get('delta'))} / {_fmt(update.get('clip_fraction'))}"),
+             ("beta / kl_estimator / mean KL", f"{_fmt(update.get('beta'))} / "
+              f"{update.get('kl_estimator')} / {_fmt(update.get('mean_kl'))}"),
+             ("mean entropy of the sampled tokens", _fmt(update.get("entropy"))),
+             ("sampler-trainer |delta log p| mean / max, k3 KL",
+              f"{_fmt(mismatch.get('mean_abs_logp'))} / {_fmt(mismatch.get('max_abs_logp'))}, "
+              f"{_fmt(mismatch.get('k3_kl'))}"),
+             ("rollout_correction (cap)",
+              f"{update.get('rollout_correction')} ({_fmt(update.get('rollout_correction_cap'))})"),
              ("generation tokens / s", _fmt(rollout.get("generation_tokens_per_second")))]
     facts += _shaping_facts(evidence)
     resources = evidence.get("resources") or {}

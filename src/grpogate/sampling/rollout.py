@@ -89,6 +89,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
     tokens by the cumulative block masses, then a token inside it. torch.multinomial draws an
     exponential for every vocabulary entry (49,152 per row here) and a full float64 cumulative
     sum costs as much again; measured, each was a fifth or more of all decoding time.
+    The log-prob costs one gather and the kept mass this function sums anyway.
     """
     # Unnormalized probabilities exp((x - max) / T), built in place in one float32 copy: the
     # inverse CDF scales its draw by the total mass, so no normalization pass is needed. The
@@ -285,5 +286,6 @@ def trajectory_records(completions: list[Completion], components: list[dict[str,
             "hit_max_length": completion.hit_max_length,
             "rewards": {name: float(value) for name, value in values.items()},
             "reward": reward_set.total(values),
+            "sampler_logprobs": completion.sampler_logprobs,
         })
     return records

@@ -2,8 +2,10 @@
 
 Groups whose rewards are all equal have zero advantage everywhere, so their policy-gradient term
 is exactly zero: they never enter a forward or backward pass (and their KL term goes with them:
-the KL penalty only acts on the tokens trained on). Advantages are (r - mean) / (std + 1e-4)
-with the unbiased within-group std, as TRL and verl compute them.
+the KL penalty only acts on the tokens trained on). Advantages are (r - group mean) / (std + 1e-4),
+as TRL computes them, with `scale_rewards` choosing the std: `group` (the unbiased within-group
+std, DeepSeekMath), `batch` (the unbiased std of all the step's rewards, TRL's "batch") or
+`none` (no division: Dr. GRPO, arXiv 2503.20783, sec. 3.1, drops it as a difficulty bias).
 
 Several reward components combine as TRL's `multi_objective_aggregation` names it:
 `sum_then_normalize` normalizes the weighted total within each group; `normalize_then_sum`
@@ -18,28 +20,37 @@ Shapes: B groups of G completions, K reward components.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from grpogate.config import SCALE_REWARDS
 
 ADVANTAGE_EPS = 1e-4
 
 
-def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """rewards [B, G] -> advantages [B, G], normalized within each group."""
+def group_advantages(rewards: torch.Tensor, scale_rewards: str = "group") -> torch.Tensor:
+    """rewards [B, G] -> advantages [B, G]: centred on the group mean, scaled per `scale_rewards`."""
     mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True)  # unbiased, as TRL / verl
+    if scale_rewards == "group":
+        std = rewards.std(dim=1, keepdim=True)  # unbiased, as TRL / verl
+    elif scale_rewards == "batch":
+        std = rewards.std()  # over every reward of the step, zero-variance groups included
+    elif scale_rewards == "none":
+        return rewards - mean
+    else:
+        raise ValueError(f"unknown scale_rewards {scale_rewards!r}; known: {SCALE_REWARDS}")
     return (rewards - mean) / (std + ADVANTAGE_EPS)
 
 
 def aggregate_advantages(components: torch.Tensor, weights: torch.Tensor, aggregation: str,
-                         valid: torch.Tensor) -> torch.Tensor:
+                         valid: torch.Tensor, scale_rewards: str = "group") -> torch.Tensor:
     """components [B, G, K], weights [K], valid [B] -> advantages [B, G] (zero off `valid`)."""
     if aggregation == "sum_then_normalize":
-        return group_advantages((components * weights).sum(-1)) * valid[:, None]
+        return group_advantages((components * weights).sum(-1), scale_rewards) * valid[:, None]
     if aggregation != "normalize_then_sum":
         raise ValueError(f"unknown multi_objective_aggregation {aggregation!r}")
-    per_component = torch.stack([group_advantages(components[..., k])
+    per_component = torch.stack([group_advantages(components[..., k], scale_rewards)
                                  for k in range(components.shape[-1])], dim=-1)  # [B, G, K]
     summed = (per_component * weights).sum(-1)  # [B, G]
     advantages = torch.zeros_like(summed)
@@ -67,6 +78,9 @@ class UpdateBatch:
     # The sampler's per-token log-probs, when the ratio must be taken against the truncated
     # distribution it sampled from (top_k / top_p / min_p); None: the trainer's own.
     old_logprobs: list[list[float]] | None = None
+    # The sampler's log-prob of each completion token (same length as the completion); empty
+    # when the caller has none (then no mismatch is measured and no correction applies).
+    sampler_logprobs: list[list[float]] = field(default_factory=list)
 
     def contributing(self, index: int) -> bool:
         return self.contributes is None or self.contributes[index]
@@ -94,14 +108,18 @@ def build_update_batch(prompt_token_ids: list[list[int]], completion_token_ids: 
                        weights: list[float] | None = None,
                        aggregation: str = "sum_then_normalize",
                        contributes: list[bool] | None = None,
-                       sampler_logprobs: list[list[float]] | None = None) -> UpdateBatch:
+                       scale_rewards: str = "group",
+                       sampler_logprobs: list[list[float]] | None = None,
+                       sampler_is_old: bool = False) -> UpdateBatch:
     """Sequences arrive grouped (G consecutive per prompt); keep only the valid groups'.
 
     `rewards` are the weighted totals; `components` [N][K] with `weights` [K] (default: the
     totals as one component of weight 1) feed the aggregation. `contributes[i]` False keeps
     sequence i in its group's advantages but out of the loss; a valid group none of whose
     sequences contributes is dropped, since it would add an optimizer step with no gradient.
-    `sampler_logprobs[i]` (one per completion token) become the ratio's old log-probs.
+    `sampler_logprobs[i]` (one per completion token) feed the sampler-trainer mismatch and
+    `rollout_correction`; with `sampler_is_old` (the sampler truncated its distribution) they
+    are also the ratio's old log-probs.
     """
     if len(rewards) % group_size:
         raise ValueError(f"{len(rewards)} completions do not form complete groups of {group_size}")
@@ -111,9 +129,9 @@ def build_update_batch(prompt_token_ids: list[list[int]], completion_token_ids: 
     matrix = torch.tensor(components, dtype=torch.float64).view(totals.shape[0], group_size, -1)
     valid = valid_group_mask(totals)  # [B]
     advantages = aggregate_advantages(matrix, torch.tensor(weights, dtype=torch.float64),
-                                      aggregation, valid)  # [B, G]
+                                      aggregation, valid, scale_rewards)  # [B, G]
     batch = UpdateBatch([], [], [], [], None if contributes is None else [],
-                        None if sampler_logprobs is None else [])
+                        [] if sampler_logprobs is not None and sampler_is_old else None)
     for group in torch.nonzero(valid).flatten().tolist():
         rows = range(group * group_size, (group + 1) * group_size)
         if contributes is not None and not any(contributes[row] for row in rows):
@@ -127,5 +145,7 @@ def build_update_batch(prompt_token_ids: list[list[int]], completion_token_ids: 
             if contributes is not None:
                 batch.contributes.append(bool(contributes[row]))
             if sampler_logprobs is not None:
-                batch.old_logprobs.append(list(sampler_logprobs[row]))
+                batch.sampler_logprobs.append(list(sampler_logprobs[row]))
+                if sampler_is_old:
+                    batch.old_logprobs.append(list(sampler_logprobs[row]))
     return batch

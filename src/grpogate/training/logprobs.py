@@ -29,17 +29,25 @@ def right_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Te
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
-                    chunk: int) -> torch.Tensor:
+                    chunk: int, entropy: list | None = None) -> torch.Tensor:
     """logits [N, T, V], token_ids [N, T] -> log-probs [N, T] of the chosen tokens.
 
     The chosen token's logit minus a logsumexp, chunk by chunk over the sequence: no
-    full-vocabulary log-softmax copy of the batch is ever materialized.
+    full-vocabulary log-softmax copy of the batch is ever materialized. If `entropy` is a list,
+    the detached entropy [N, T] of each position's distribution at `temperature` is appended to
+    it (logsumexp - sum p * z, computed from the same chunk: no second pass over the logits).
     """
-    pieces = []
+    pieces, entropies = [], []
     for start in range(0, token_ids.shape[1], chunk):
         block = logits[:, start:start + chunk].float() / temperature
         chosen = block.gather(-1, token_ids[:, start:start + chunk, None]).squeeze(-1)
-        pieces.append(chosen - torch.logsumexp(block, dim=-1))
+        normalizer = torch.logsumexp(block, dim=-1)
+        pieces.append(chosen - normalizer)
+        if entropy is not None:
+            with torch.no_grad():
+                entropies.append(normalizer - (torch.softmax(block, dim=-1) * block).sum(-1))
+    if entropy is not None:
+        entropy.append(torch.cat(entropies, dim=1))
     return torch.cat(pieces, dim=1)
 
 
@@ -60,8 +68,11 @@ def pack_groups(prompts: list[list[int]], completions: list[list[int]], pad_id: 
 
 
 def shared_prompt_logprobs(model, packed: PackedGroups, group_size: int, temperature: float,
-                           chunk: int = 64) -> torch.Tensor:
+                           chunk: int = 64, entropy: list | None = None) -> torch.Tensor:
     """Log-probs [n * G, T] of the completions, the prompt forwarded once per group.
+
+    `group_size` is the completions per prompt in this pack: a group's G, or fewer when a
+    micro-batch smaller than a group carries a slice of one. `entropy`: see `token_logprobs`.
 
     All G completions of a group share one prompt, so the prompt runs once (with gradient) and
     its KV cache is repeated G times for the completion pass; gradients flow back through the
@@ -90,4 +101,4 @@ def shared_prompt_logprobs(model, packed: PackedGroups, group_size: int, tempera
         logits = torch.cat([first_logits, rest], dim=1)  # [N, T, V]
     else:
         logits = first_logits
-    return token_logprobs(logits, completion_ids, temperature, chunk)
+    return token_logprobs(logits, completion_ids, temperature, chunk, entropy)

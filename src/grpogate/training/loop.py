@@ -231,8 +231,9 @@ def _update(loop: Loop, state: LoopState, step: int, rollout: Rollout):
         aggregation=config.multi_objective_aggregation,
         contributes=([not c.hit_max_length for c in rollout.completions]
                      if config.mask_truncated_completions else None),
-        sampler_logprobs=([c.sampler_logprobs for c in rollout.completions]
-                          if sampling_settings(config).truncates else None))
+        scale_rewards=config.scale_rewards,
+        sampler_logprobs=[c.sampler_logprobs for c in rollout.completions],
+        sampler_is_old=sampling_settings(config).truncates)
     settings = dataclasses.replace(UpdateSettings.from_config(config),
                                    micro_batch_size=state.micro_batch_size)
 
@@ -243,7 +244,8 @@ def _update(loop: Loop, state: LoopState, step: int, rollout: Rollout):
 
     started = time.perf_counter()
     try:
-        with loop.reporter.task(f"step {step + 1}/{config.steps} update", len(batch)) as advance:
+        with loop.reporter.task(f"step {step + 1}/{config.steps} update",
+                                len(batch) * config.num_iterations) as advance:
             record, settings = update_with_retry(
                 policy.model, loop.optimizer, batch, settings, policy.tokenizer.pad_token_id,
                 lambda: reference_mode(policy), loop.checkpoints.trainable.values(), advance,
@@ -287,6 +289,10 @@ def _finish_step(loop: Loop, state: LoopState, step: int, rollout: Rollout, upda
     # before its checkpoint) then never reaches the events file twice.
     if on_step is not None:
         on_step(state.steps[-1])
+    update = record.summary()
+    mismatch = update["mismatch_max_abs_logp"]
     loop.reporter.log(f"step {step + 1}/{config.steps}: reward {summary['mean_reward']:.3f}, "
                       f"valid groups {summary['valid_group_count']}/{summary['group_count']}, "
-                      f"updates {record.update_count}, kl {record.summary()['mean_kl']:.4f}")
+                      f"updates {record.update_count}, kl {update['mean_kl']:.4f}, "
+                      f"clipped {update['clip_fraction']:.3f}"
+                      + (f", sampler max |d logp| {mismatch:.2g}" if mismatch is not None else ""))

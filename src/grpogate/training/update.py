@@ -3,16 +3,22 @@
 Where this departs from the DeepSeekMath GRPO objective (Shao et al. 2024, eq. 3), and why:
 - Only valid groups (rewards not all equal) are forwarded (`advantages.build_update_batch`):
   the others have zero advantage, so zero gradient; their KL term is dropped with them.
-- The KL term is the k3 estimator against the baseline policy (adapter disabled, or the frozen
-  baseline adapter) — not a second model copy (`objectives.grpo_token_terms`).
-- Each group's prompt is forwarded once and its KV cache shared by its G completions
-  (`logprobs.shared_prompt_logprobs`); the result equals one forward per sequence.
-- With one optimizer step per rollout the rollout policy *is* the current policy, so its
-  log-probs are the detached current ones (ratio 1, clip inactive, same gradient) and no extra
-  forward is spent; with several steps per rollout they are computed once before the first step.
-  When the sampler truncates its distribution (top_k / top_p / min_p), the old log-probs are
-  the sampler's own under that truncated, renormalized distribution, so the ratio is taken
-  against what was really sampled from (it is then <= 1 on kept tokens at the first step).
+- The KL term is estimated (k1 / k2 / k3, `kl_estimator`) against the baseline policy (adapter
+  disabled, or the frozen baseline adapter) — not a second model copy; beta = 0 runs no
+  reference forward at all.
+- Each group's prompt is forwarded once and its KV cache shared by its completions
+  (`logprobs.shared_prompt_logprobs`); the result equals one forward per sequence. A
+  micro-batch smaller than a group carries a slice of one, its prompt forwarded per slice.
+- pi_old is the trainer's own forward of the rollout policy. With one optimizer step per
+  rollout (num_iterations 1, one step of groups) that *is* the current policy, so its
+  log-probs are the detached current ones (ratio 1) and no extra forward is spent; otherwise
+  they are computed once before the first step. The sampler's log-probs (another numerical
+  path: merged weights, the lean decoder) are compared with pi_old on the first pass (the
+  mismatch metrics) and, with `rollout_correction`, reweight the surrogate by the truncated
+  pi_old / pi_sampler.
+  When the sampler truncates its distribution (top_k / top_p / min_p), pi_old is instead the
+  sampler's own log-prob under that truncated, renormalized distribution, so the ratio is taken
+  against what was really sampled from.
 - With `mask_truncated_completions`, completions that hit max_new_tokens add no loss and do not
   count in the loss denominator (sequences or tokens); their advantages are computed with them.
 - Any failure rolls the adapter and optimizer back to before the rollout's update; an
@@ -32,7 +38,8 @@ import torch
 from grpogate.config import RunConfig
 from grpogate.training import objectives
 from grpogate.training.advantages import UpdateBatch
-from grpogate.training.logprobs import PackedGroups, pack_groups, shared_prompt_logprobs
+from grpogate.training.batching import micro_batches, pack_rows, padded_rows, rows_per_prompt, step_plan
+from grpogate.training.logprobs import PackedGroups, shared_prompt_logprobs
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -45,33 +52,59 @@ class UpdateFailed(RuntimeError):
 
 @dataclass
 class UpdateSettings:
-    clip_epsilon: float
-    kl_coef: float
-    max_grad_norm: float
-    micro_batch_size: int
-    groups_per_update: int  # 0: all valid groups in one optimizer step
-    loss_aggregation: str
-    temperature: float
+    """The update's knobs (config.py documents each); defaults are RunConfig's."""
+
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 16
+    groups_per_update: int = 0  # 0: all valid groups in one optimizer step
+    temperature: float = 0.7
+    loss_type: str = "grpo"
+    importance_sampling_level: str = "token"
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2  # resolved: never 0
+    delta: float = 0.0
+    beta: float = 0.02
+    kl_estimator: str = "k3"
+    num_iterations: int = 1
+    top_entropy_quantile: float = 1.0
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 2.0
+    max_new_tokens: int = 48  # dr_grpo's constant normalizer
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "UpdateSettings":
-        return cls(config.clip_epsilon, config.kl_coef, config.max_grad_norm,
-                   config.micro_batch_size, config.groups_per_update, config.loss_aggregation,
-                   config.temperature)
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "epsilon_high"]
+        return cls(**{name: getattr(config, name) for name in names},
+                   epsilon_high=config.resolved_epsilon_high())
 
 
 @dataclass
 class UpdateRecord:
     update_count: int = 0  # optimizer steps that really happened
-    sequences: int = 0
+    sequences: int = 0  # sequence passes (a sequence counts once per iteration)
     tokens: int = 0
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     kl_sum: float = 0.0
     clipped_tokens: int = 0
     masked_sequences: int = 0  # forwarded for their group but adding no loss (truncated)
+    trained_tokens: int = 0  # tokens with a non-zero surrogate weight (entropy mask, correction)
+    # Per iteration (pass over the rollout): tokens and clipped tokens.
+    pass_tokens: list[int] = field(default_factory=list)
+    pass_clipped: list[int] = field(default_factory=list)
+    pass_max_abs_log_ratio: list[float] = field(default_factory=list)  # max |log pi / pi_old|
+    entropy_sum: float = 0.0  # over the first pass's tokens
+    entropy_tokens: int = 0
+    # Sampler vs trainer (pi_old), first pass: sum and max |delta log p|, sum of k3.
+    mismatch_tokens: int = 0
+    mismatch_abs_sum: float = 0.0
+    mismatch_abs_max: float = 0.0
+    mismatch_k3_sum: float = 0.0
 
     def summary(self) -> dict:
+        def mean(total: float, count: int):
+            return total / count if count else None
+
         return {
             "update_count": self.update_count,
             "sequences": self.sequences,
@@ -81,44 +114,17 @@ class UpdateRecord:
             "grad_norm": self.grad_norms,
             "mean_kl": self.kl_sum / self.tokens if self.tokens else 0.0,
             "clip_fraction": self.clipped_tokens / self.tokens if self.tokens else 0.0,
+            "clip_fraction_by_iteration": [c / t if t else 0.0 for c, t in
+                                           zip(self.pass_clipped, self.pass_tokens)],
+            "max_abs_log_ratio_by_iteration": self.pass_max_abs_log_ratio,
+            "trained_token_fraction": self.trained_tokens / self.tokens if self.tokens else 0.0,
+            "entropy": mean(self.entropy_sum, self.entropy_tokens),
+            "entropy_tokens": self.entropy_tokens,
+            "mismatch_tokens": self.mismatch_tokens,
+            "mismatch_mean_abs_logp": mean(self.mismatch_abs_sum, self.mismatch_tokens),
+            "mismatch_max_abs_logp": self.mismatch_abs_max if self.mismatch_tokens else None,
+            "mismatch_k3_kl": mean(self.mismatch_k3_sum, self.mismatch_tokens),
         }
-
-
-# --- which rows go where -----------------------------------------------------------------------
-
-
-def _chunks(indexes: list[int], size: int) -> list[list[int]]:
-    return [indexes[i:i + size] for i in range(0, len(indexes), size)]
-
-
-def step_plan(batch: UpdateBatch, groups_per_update: int) -> list[list[int]]:
-    """Sequence indexes of each optimizer step, whole groups at a time."""
-    groups = sorted(set(batch.group_index))
-    per_step = groups_per_update or len(groups)
-    plan = []
-    for step_groups in _chunks(groups, per_step):
-        wanted = set(step_groups)
-        plan.append([i for i, g in enumerate(batch.group_index) if g in wanted])
-    return plan
-
-
-def micro_batches(batch: UpdateBatch, rows: list[int], micro_batch_size: int) -> list[list[int]]:
-    """Whole groups per micro-batch (they share one prompt forward), groups of similar longest
-    completion together so little compute goes to padding."""
-    members: dict[int, list[int]] = {}
-    for index in rows:
-        members.setdefault(batch.group_index[index], []).append(index)
-    groups = sorted(members.values(),
-                    key=lambda group: max(len(batch.completion_token_ids[i]) for i in group))
-    per_micro = max(1, micro_batch_size // batch.group_size)
-    return [[i for group in groups[k:k + per_micro] for i in group]
-            for k in range(0, len(groups), per_micro)]
-
-
-def pack_rows(batch: UpdateBatch, rows: list[int], pad_id: int, device) -> PackedGroups:
-    """Rows are whole groups, group-major: one prompt per group, its G completions."""
-    return pack_groups([batch.prompt_token_ids[i] for i in rows[::batch.group_size]],
-                       [batch.completion_token_ids[i] for i in rows], pad_id, device)
 
 
 # --- the optimizer steps -----------------------------------------------------------------------
@@ -135,10 +141,11 @@ class _Step:
     reference_mode: object  # context manager factory: the model as the baseline policy
     device: torch.device
     old_logp: dict[int, torch.Tensor]  # rollout-policy log-probs by row; empty: detached current
+    iteration: int = 0  # which pass over the rollout
 
-    def logprobs(self, packed: PackedGroups) -> torch.Tensor:
-        return shared_prompt_logprobs(self.model, packed, self.batch.group_size,
-                                      self.settings.temperature)
+    def logprobs(self, packed: PackedGroups, micro: list[int], entropy: list | None = None):
+        return shared_prompt_logprobs(self.model, packed, rows_per_prompt(self.batch, micro),
+                                      self.settings.temperature, entropy=entropy)
 
 
 def rollout_logprobs(step: _Step, rows: list[int]) -> dict[int, torch.Tensor]:
@@ -146,7 +153,7 @@ def rollout_logprobs(step: _Step, rows: list[int]) -> dict[int, torch.Tensor]:
     old_logp = {}
     with torch.no_grad():
         for micro in micro_batches(step.batch, rows, step.settings.micro_batch_size):
-            values = step.logprobs(pack_rows(step.batch, micro, step.pad_id, step.device))
+            values = step.logprobs(pack_rows(step.batch, micro, step.pad_id, step.device), micro)
             old_logp.update(zip(micro, values))
     return old_logp
 
@@ -157,11 +164,38 @@ def _old_logprobs(step: _Step, logp: torch.Tensor, micro: list[int]) -> torch.Te
     # Rows were precomputed in micro-batches of other widths: copy each row's prefix (which
     # covers its completion) over the detached current log-probs, so padded positions have
     # ratio 1 and never produce inf * 0.
-    old = logp.detach().clone()
-    for row, index in enumerate(micro):
-        values = step.old_logp[index][:logp.shape[1]]
-        old[row, :values.shape[0]] = values
-    return old
+    return padded_rows(micro, step.old_logp, logp)
+
+
+def _surrogate_weights(step: _Step, micro, old, sampler, entropy, mask, record: UpdateRecord):
+    """The per-token weights [N, T] on the surrogate (entropy mask x rollout correction), or
+    None when both are off (then the loss is computed exactly as without them)."""
+    settings, weights = step.settings, None
+    if settings.top_entropy_quantile < 1.0:
+        weights = objectives.high_entropy_mask(entropy, mask, settings.top_entropy_quantile)
+    if settings.rollout_correction != "none":
+        if sampler is None:
+            raise ValueError("rollout_correction needs the sampler's log-probs in the batch")
+        correction = objectives.rollout_correction_weights(
+            old, sampler, mask, settings.rollout_correction, settings.rollout_correction_cap)
+        weights = correction if weights is None else weights * correction
+    record.trained_tokens += int(((weights if weights is not None else mask) * mask > 0).sum())
+    return weights
+
+
+def _record_first_pass(step: _Step, old, sampler, entropy, mask, record: UpdateRecord) -> None:
+    """Entropy and the sampler-trainer mismatch, once per row (the first pass)."""
+    real = mask.bool()
+    if entropy is not None:
+        record.entropy_sum += float(entropy[real].sum())
+        record.entropy_tokens += int(real.sum())
+    if sampler is not None:
+        absolute, k3 = objectives.mismatch_terms(old, sampler)
+        record.mismatch_tokens += int(real.sum())
+        record.mismatch_abs_sum += float(absolute[real].sum())
+        record.mismatch_abs_max = max(record.mismatch_abs_max,
+                                      float(absolute[real].max()) if real.any() else 0.0)
+        record.mismatch_k3_sum += float(k3[real].sum())
 
 
 def _backward_micro_batch(step: _Step, micro: list[int], denominator: int,
@@ -170,39 +204,70 @@ def _backward_micro_batch(step: _Step, micro: list[int], denominator: int,
     settings = step.settings
     packed = pack_rows(step.batch, micro, step.pad_id, step.device)
     ref_logp = None
-    if settings.kl_coef > 0:
+    if settings.beta > 0:
         with torch.no_grad(), step.reference_mode():
-            ref_logp = step.logprobs(packed)
-    logp = step.logprobs(packed)
-    advantages = torch.tensor([step.batch.advantages[i] for i in micro], device=step.device,
-                              dtype=logp.dtype)
+            ref_logp = step.logprobs(packed, micro)
+    first_pass = step.iteration == 0
+    entropies = [] if first_pass or settings.top_entropy_quantile < 1.0 else None
+    logp = step.logprobs(packed, micro, entropies)
+    entropy = entropies[0] if entropies else None
     # mask_truncated_completions: a cut-off completion's tokens leave the loss (and its
     # denominator) but stay in their group's advantages, computed before the update.
     contributes = torch.tensor([step.batch.contributing(i) for i in micro], device=step.device,
                                dtype=packed.completion_mask.dtype)  # [N]
     mask = packed.completion_mask * contributes[:, None]  # [N, T]
-    loss, kl, was_clipped = objectives.micro_batch_loss(
-        logp, _old_logprobs(step, logp, micro), ref_logp, advantages, mask,
-        clip_epsilon=settings.clip_epsilon, kl_coef=settings.kl_coef,
-        aggregation=settings.loss_aggregation, denominator=denominator)
+    old = _old_logprobs(step, logp, micro)
+    sampler = padded_rows(micro, step.batch.sampler_logprobs, old) if step.batch.sampler_logprobs else None
+    if first_pass:
+        _record_first_pass(step, old, sampler, entropy, mask, record)
+    advantages = torch.tensor([step.batch.advantages[i] for i in micro], device=step.device,
+                              dtype=logp.dtype)
+    per_token, kl, was_clipped = objectives.policy_token_terms(
+        logp, old, ref_logp, advantages, mask, loss_type=settings.loss_type,
+        level=settings.importance_sampling_level, epsilon=settings.epsilon,
+        epsilon_high=settings.epsilon_high, delta=settings.delta, beta=settings.beta,
+        kl_estimator=settings.kl_estimator,
+        weights=_surrogate_weights(step, micro, old, sampler, entropy, mask, record))
+    loss = objectives.aggregate_loss(per_token, mask, settings.loss_type) / denominator
     if not torch.isfinite(loss):
         raise NonFiniteUpdate(f"non-finite loss {loss.item()} at update {record.update_count}")
     loss.backward()
+    clipped = int((was_clipped & mask.bool()).sum())
     record.kl_sum += float((kl.detach() * mask).sum())
-    record.clipped_tokens += int((was_clipped & mask.bool()).sum())
+    record.clipped_tokens += clipped
     record.tokens += int(mask.sum())
+    record.pass_clipped[-1] += clipped
+    record.pass_tokens[-1] += int(mask.sum())
+    log_ratio = float(((logp.detach() - old).abs() * mask).max())
+    record.pass_max_abs_log_ratio[-1] = max(record.pass_max_abs_log_ratio[-1], log_ratio)
     record.sequences += len(micro)
     record.masked_sequences += len(micro) - int(contributes.sum())
     return loss.item()
 
 
+def _denominators(step: _Step, rows: list[int], micros: list[list[int]]) -> list[int]:
+    """Each micro-batch's divisor: the step's `loss_denominator`, or for bnpo (a token mean per
+    micro-batch) the micro-batch's tokens times the micro-batch count, as TRL's gradient
+    accumulation divides."""
+    settings, batch = step.settings, step.batch
+
+    def lengths(indexes: list[int]) -> list[int]:  # masked (truncated) rows leave the divisor
+        return [len(batch.completion_token_ids[i]) for i in indexes if batch.contributing(i)]
+
+    if settings.loss_type == "bnpo":
+        return [objectives.loss_denominator(lengths(micro), "bnpo", settings.max_new_tokens)
+                * len(micros) for micro in micros]
+    step_denominator = objectives.loss_denominator(lengths(rows), settings.loss_type,
+                                                   settings.max_new_tokens)
+    return [step_denominator] * len(micros)
+
+
 def _optimizer_step(step: _Step, optimizer, parameters, rows: list[int], record: UpdateRecord,
                     advance=None) -> None:
     optimizer.zero_grad(set_to_none=True)
-    lengths = [len(step.batch.completion_token_ids[i]) for i in rows if step.batch.contributing(i)]
-    denominator = objectives.loss_denominator(lengths, step.settings.loss_aggregation)
+    micros = micro_batches(step.batch, rows, step.settings.micro_batch_size)
     step_loss = 0.0
-    for micro in micro_batches(step.batch, rows, step.settings.micro_batch_size):
+    for micro, denominator in zip(micros, _denominators(step, rows, micros)):
         try:
             step_loss += _backward_micro_batch(step, micro, denominator, record)
         except NonFiniteUpdate:
@@ -224,6 +289,7 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
                 reference_mode, parameters, advance=None) -> UpdateRecord:
     """Run the optimizer steps of one rollout's valid groups; returns the update record.
 
+    `num_iterations` passes over the rollout, each split into `step_plan`'s optimizer steps.
     `reference_mode` is a context manager factory that switches `model` to the baseline policy;
     `advance(n)` (if given) is told of every n sequences back-propagated.
     """
@@ -239,10 +305,16 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
         # the trainer's full softmax, is the behaviour policy the ratio divides by.
         step.old_logp = {i: torch.tensor(values, device=step.device, dtype=torch.float32)
                          for i, values in enumerate(batch.old_logprobs)}
-    elif len(plan) > 1:  # later steps need the rollout policy's log-probs, fixed before step one
+    elif len(plan) * settings.num_iterations > 1:
+        # later steps need the rollout policy's log-probs, fixed before step one
         step.old_logp = rollout_logprobs(step, [i for rows in plan for i in rows])
-    for rows in plan:
-        _optimizer_step(step, optimizer, parameters, rows, record, advance)
+    for iteration in range(settings.num_iterations):
+        step.iteration = iteration
+        record.pass_tokens.append(0)
+        record.pass_clipped.append(0)
+        record.pass_max_abs_log_ratio.append(0.0)
+        for rows in plan:
+            _optimizer_step(step, optimizer, parameters, rows, record, advance)
     return record
 
 
