@@ -21,6 +21,7 @@ import os
 import time
 from pathlib import Path
 
+from grpogate.config import flatten
 from grpogate.errors import InputError
 
 # Tag -> key of a training step record (training/loop.py); list values are per optimizer
@@ -115,7 +116,7 @@ class MlflowTracker:
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "grpogate"))
         self.mlflow = mlflow
         self.run = mlflow.start_run(run_name=run_label)
-        mlflow.log_params({key: str(value)[:6000] for key, value in _flat(config).items()})
+        mlflow.log_params({key: str(value)[:6000] for key, value in flatten(config).items()})
         self.where = f"{mlflow.get_tracking_uri()} run {self.run.info.run_id}"
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
@@ -195,13 +196,3 @@ class Trackers:
         for _, tracker in self.opened:
             tracker.finish(decision)
         self.opened = []
-
-
-def _flat(table: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in table.items():
-        if isinstance(value, dict) and key != "params":
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
