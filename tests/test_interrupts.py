@@ -220,17 +220,7 @@ def test_a_second_writer_of_a_run_directory_is_refused_naming_the_holder(tiny_mo
     import subprocess
     import sys
 
-    calls: list[int] = []
-
-    def rewards_then_sigterm(completions, problems, verifier):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return fixed_rewards(completions, problems, verifier)
-
-    monkeypatch.setattr(training, "score_completions", rewards_then_sigterm)
-    out = tmp_path / "run"
-    assert CliRunner().invoke(app, cli_args(tiny_model_dir, out)).exit_code == 143
+    out = interrupted_run(tiny_model_dir, tmp_path / "run", monkeypatch)
     before = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], stdout=subprocess.PIPE,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
@@ -249,7 +239,6 @@ def test_a_second_writer_of_a_run_directory_is_refused_naming_the_holder(tiny_mo
         holder.kill()
         holder.wait()
     # The holder died: the kernel dropped its lock, and the run resumes.
-    monkeypatch.setattr(training, "score_completions", fixed_rewards)
     result = CliRunner().invoke(app, ["run", "--resume", str(out)])
     assert result.exit_code == 0, result.output
 

@@ -22,6 +22,7 @@ from grpogate.inputs.tasks import Problem, prompt_id
 from grpogate.inputs.rewards import build_reward_set, format_reward
 from grpogate.training.advantages import UpdateBatch, build_update_batch
 from grpogate.training.update import NonFiniteUpdate, UpdateSettings, grpo_update
+from helpers import record_ratio_inputs
 from reference_logprobs import completion_logprobs, pack_sequences
 from grpogate.inputs.verifiers import get_verifier
 
@@ -310,14 +311,7 @@ def test_empty_batch_takes_no_optimizer_step(policy):
 
 
 def test_one_group_per_update_uses_precomputed_old_logprobs(policy, prompts, monkeypatch):
-    seen = []
-    real_terms = objectives.policy_token_terms
-
-    def spy(logp, old_logp, *args, **kwargs):
-        seen.append((logp.detach().clone(), old_logp.detach().clone()))
-        return real_terms(logp, old_logp, *args, **kwargs)
-
-    monkeypatch.setattr(objectives, "policy_token_terms", spy)
+    seen = record_ratio_inputs(monkeypatch)
     parameters = list(trainable_parameters(policy).values())
     optimizer = torch.optim.AdamW(parameters, lr=5e-2)
     record = run_update(policy, hand_batch(prompts), optimizer, groups_per_update=1,
@@ -452,14 +446,7 @@ def test_top_k_and_min_p_truncate_and_the_logprob_is_the_truncated_distributions
 
 
 def test_a_truncating_sampler_is_the_ratios_old_policy(policy, prompts, monkeypatch):
-    seen = []
-    real_terms = objectives.policy_token_terms
-
-    def spy(logp, old_logp, *args, **kwargs):
-        seen.append((logp.detach().clone(), old_logp.detach().clone()))
-        return real_terms(logp, old_logp, *args, **kwargs)
-
-    monkeypatch.setattr(objectives, "policy_token_terms", spy)
+    seen = record_ratio_inputs(monkeypatch)
     batch = hand_batch(prompts)
     # The sampler's log-probs under a truncated distribution are higher than the full ones:
     # here every token's is log 0.5, far from what the random model gives.

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import record_ratio_inputs
+
 from grpogate.config import load_config
 from grpogate.errors import InputError
 from grpogate.inputs.policy import load_policy, reference_mode, sampling_weights, trainable_parameters
 from grpogate.sampling.decoding import make_stepper
 from grpogate.sampling.rollout import SamplingSettings, encode_prompts, generate_completions
-from grpogate.training import objectives
 from grpogate.training import batching
 from grpogate.training import update as update_module
 from grpogate.training.advantages import UpdateBatch, build_update_batch
@@ -78,14 +79,7 @@ def test_one_update_raises_positive_and_lowers_negative_sequences(policy, prompt
 
 def test_two_iterations_see_a_ratio_away_from_one_and_record_the_clip_fraction(
         policy, prompts, monkeypatch):
-    seen = []
-    real_terms = objectives.policy_token_terms
-
-    def spy(logp, old_logp, *args, **kwargs):
-        seen.append((logp.detach().clone(), old_logp.detach().clone()))
-        return real_terms(logp, old_logp, *args, **kwargs)
-
-    monkeypatch.setattr(objectives, "policy_token_terms", spy)
+    seen = record_ratio_inputs(monkeypatch)
     record = update(policy, two_groups(prompts), lr=5e-2, num_iterations=2, micro_batch_size=4,
                     epsilon=0.01, epsilon_high=0.01)
     assert record.update_count == 2 and len(seen) == 2  # one micro-batch per pass

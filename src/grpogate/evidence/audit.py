@@ -222,10 +222,9 @@ def anchored_versions(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, 
                 "candidate": artifact.get("new_policy_version")}
     weights = run_dir / str(artifact.get("path") or "adapter") / ADAPTER_WEIGHTS
     if weights.is_file():
-        try:
-            versions["candidate"] = policy_version(base, safetensors_sha256(weights))
-        except InputError as error:
-            audit.mismatch(f"artifact (adapter weights unreadable: {error})")
+        versions["candidate"] = _version_of(audit, base, weights,
+                                            "artifact (adapter weights unreadable",
+                                            versions["candidate"])
     audit.compare("artifact.new_policy_version", artifact.get("new_policy_version"),
                   versions["candidate"])
     baseline_adapter = inputs.get("baseline_adapter")
@@ -234,14 +233,22 @@ def anchored_versions(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, 
     if baseline_adapter is None:
         versions["baseline"] = policy_version(base, None)
     elif baseline_weights is not None and baseline_weights.is_file():
-        try:
-            versions["baseline"] = policy_version(base, safetensors_sha256(baseline_weights))
-        except InputError as error:
-            audit.mismatch(f"inputs.baseline_adapter (unreadable: {error})")
+        versions["baseline"] = _version_of(audit, base, baseline_weights,
+                                           "inputs.baseline_adapter (unreadable", versions["baseline"])
     # A baseline adapter that is not on this machine cannot be re-hashed: taken as recorded.
     audit.compare("inputs.baseline_policy_version", inputs.get("baseline_policy_version"),
                   versions["baseline"])
     return versions
+
+
+def _version_of(audit: Audit, base: Any, weights: Path, field: str, recorded: Any) -> Any:
+    """The policy version of `base` + the adapter tensors in `weights`; an unreadable file is a
+    mismatch named `field` and the recorded version stands (so it is not reported twice)."""
+    try:
+        return policy_version(base, safetensors_sha256(weights))
+    except InputError as error:
+        audit.mismatch(f"{field}: {error})")
+        return recorded
 
 
 def _file_sha(path: Path) -> str | None:
