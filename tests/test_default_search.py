@@ -1,0 +1,126 @@
+"""bench/default_search.py: the development-set search of the default's settings.
+
+The record line is checked against the synthetic run, whose numbers are worked out by hand in
+tests/synthetic_run.py; the search itself runs two candidates end to end on the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY_SIZES
+from synthetic_run import write_synthetic_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import default_search  # noqa: E402
+
+
+def _plan_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "plan.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_the_packaged_plan_loads_and_keeps_the_development_seed_far():
+    plan = default_search.load_plan(default_search.DEFAULT_PLAN)
+    # Train seed 1 and eval seed 2 draw items Random(1 + i) and Random(2 + i) for i below a few
+    # hundred; the development seed must be far beyond that.
+    assert plan["dev_seed"] >= 100_000
+    assert plan["candidates"][0]["name"] == "today" and plan["candidates"][0]["set"] == {}
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("dev_seed = 5\n", "unique non-empty name"),
+    ('dev_seed = 5\n[[candidate]]\nname = "a"\n[[candidate]]\nname = "a"\n', "unique"),
+    ('dev_seed = "x"\n[[candidate]]\nname = "a"\n', "dev_seed must be an integer"),
+    ('dev_seed = 5\nsteps = 3\n[[candidate]]\nname = "a"\n', "unknown key"),
+])
+def test_a_bad_plan_is_refused(tmp_path, text, fragment):
+    with pytest.raises(SystemExit, match=fragment):
+        default_search.load_plan(_plan_file(tmp_path, text))
+
+
+def test_overrides_put_the_development_seed_first_and_the_caller_last():
+    plan = {"dev_seed": 777, "scale": {"eval_prompts": 64}, "candidates": []}
+    candidate = {"name": "c", "set": {"learning_rate": 2e-4, "dynamic_sampling": True,
+                                      "loss_type": "dapo"}}
+    assert default_search.candidate_overrides(plan, candidate, ["eval_prompts=4"]) == [
+        "task.eval_seed=777", "eval_prompts=64", "learning_rate=0.0002",
+        "dynamic_sampling=true", 'loss_type="dapo"', "eval_prompts=4"]
+
+
+def test_record_row_reads_the_evidence_numbers(tmp_path):
+    """synthetic_run: eval rewards baseline [0,0,0,0] [1,0,0,0] -> 1/8 = 0.125, candidate
+    [1,0,1,0] [1,1,0,0] -> 4/8 = 0.5, gain 0.375, interval [0.25, 0.5] (test_significant_gain
+    works it out); pass@4 0.5 -> 1.0, interval [0, 1]. Step KLs 0.001 and 0.002 -> the largest
+    is 0.002 at step 1. The last of every 4 samples hits the budget: truncation 1/4 everywhere."""
+    run_dir = write_synthetic_run(tmp_path)
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    row = default_search.record_row("c", {"learning_rate": 1e-4}, evidence, 12.5)
+    assert row["reward"] == {"baseline": 0.125, "candidate": 0.5, "gain": 0.375, "low": 0.25,
+                             "high": 0.5, "sign_test_p": row["reward"]["sign_test_p"]}
+    # Both prompts improve: a two-sided sign test on 2 of 2 gives p = 2 x (1/2)^2 = 0.5.
+    assert row["reward"]["sign_test_p"] == pytest.approx(0.5)
+    assert row["pass_at_group"] == {"baseline": 0.5, "candidate": 1.0, "gain": 0.5, "low": 0.0,
+                                    "high": 1.0}
+    assert row["largest_kl"] == {"value": 0.002, "step": 1}
+    assert row["truncation"] == {"train": 0.25, "eval_baseline": 0.25, "eval_candidate": 0.25}
+    assert (row["decision"], row["steps"], row["wall_seconds"]) == ("accept", 2, 12.5)
+    assert row["eval"] == {"seed": 2, "prompts": 2, "group_size": 4}
+    assert row["valid_group_ratio"] == 0.5 and row["update_count"] == 2
+
+
+def test_largest_kl_is_not_measured_without_a_reference():
+    evidence = {"config": {"beta": 0.0}, "steps": [{"step": 0, "mean_kl": 0.0}]}
+    assert default_search.largest_kl(evidence)["value"] is None
+    evidence = {"config": {"beta": 0.02}, "steps": [{"step": 0, "mean_kl": 0.03},
+                                                    {"step": 1, "mean_kl": 0.01}]}
+    assert default_search.largest_kl(evidence) == {"value": 0.03, "step": 0}
+
+
+def test_search_runs_each_candidate_on_the_development_set(tiny_model_dir, tmp_path, monkeypatch):
+    """Two real `grpogate run` children on the tiny model: one good candidate and one whose
+    setting the config refuses. Both are recorded; the good one was evaluated on the development
+    seed's problems (its problems.jsonl eval split is that seed's set) and its admission kept
+    them out of training."""
+    from grpogate.config import load_config
+    from grpogate.inputs.tasks import load_eval_set
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny kernels: threads only wait on each other
+    scale = "\n".join(f"{key} = {default_search.toml_value(value)}"
+                      for key, value in TINY_SIZES.items())
+    plan = default_search.load_plan(_plan_file(tmp_path, (
+        f"dev_seed = 1000000\n[scale]\n{scale}\n"
+        '[[candidate]]\nname = "good"\nset = {learning_rate = 1e-4}\n'
+        '[[candidate]]\nname = "bad"\nset = {learning_rate = -1.0}\n')))
+    record = tmp_path / "record.jsonl"
+    extra = [f"model={json.dumps(str(tiny_model_dir))}"]
+    rows = default_search.search(plan, tmp_path / "search", record, [], extra)
+
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [line["name"] for line in lines] == ["good", "bad"] and lines == rows
+    good, bad = lines
+    # The random tiny model earns no reward (no valid group): a finished run all the same.
+    assert good["status"] != "failed" and good["decision"] in ("accept", "tune", "reject")
+    assert good["eval"]["seed"] == 1_000_000
+    assert good["settings"] == {"learning_rate": 1e-4} and good["steps"] == 2
+    assert good["dev_vs_default_eval"]["shared_prompts"] == 0
+    assert good["dev_vs_default_eval"]["default_eval_prompts"] == 48
+    assert "--set" in good["command"] and "task.eval_seed=1000000" in good["command"]
+    stored = [json.loads(line) for line in
+              (Path(good["run_dir"]) / "problems.jsonl").read_text().splitlines()]
+    development = load_config("default", overrides=[
+        f"{key}={default_search.toml_value(value)}" for key, value in TINY_SIZES.items()]
+        + ["task.eval_seed=1000000"])
+    expected = [p.prompt_id for p in load_eval_set(development.task, development.eval_prompts)[0]]
+    assert [r["prompt_id"] for r in stored if r["split"] == "eval"] == expected
+    assert not {r["prompt_id"] for r in stored if r["split"] == "train"} & set(expected)
+    assert bad["status"] == "failed" and bad["exit_code"] == 2
+    assert "learning_rate" in bad["output_tail"]
+    # A second search never reuses the first one's run directories.
+    with pytest.raises(FileExistsError):
+        default_search.search(plan, tmp_path / "search", record, ["good"], extra)
