@@ -313,3 +313,17 @@ def test_sampler_logprobs_of_the_wrong_length_are_named(run_dir):
     rewrite_line(path, 2, sampler_logprobs=[-0.5] * (tokens + 1))  # one value too many
     named = fields(audit_run(run_dir))
     assert "trajectories.jsonl:2 sampler_logprobs" in named
+
+
+def test_decide_states_which_gain_rule_decided(tmp_path):
+    significant = write_synthetic_run(tmp_path / "significant")
+    result = CliRunner().invoke(app, ["decide", str(significant)])
+    assert result.exit_code == 0, result.output
+    assert ("gain gates (reward, pass_at_group) read the 95 % paired bootstrap lower bound "
+            "(gates.require_significant_gain = true)") in " ".join(result.output.split())
+    point = write_synthetic_run(tmp_path / "point", require_significant_gain=False)
+    result = CliRunner().invoke(app, ["decide", str(point)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "gain gates (reward, pass_at_group) read the point estimate" in text
+    assert "non-default gate require_significant_gain = False (default True)" in text

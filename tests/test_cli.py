@@ -75,12 +75,12 @@ def test_a_gates_file_sets_gates_below_set_overrides(tmp_path):
 
     toml = tmp_path / "gates.toml"
     toml.write_text("[gates]\nminimum_valid_group_ratio = 0.3\nminimum_update_count = 2\n"
-                    "require_significant_gain = true\n")
+                    "require_significant_gain = false\n")
     config = load_config("smoke", gates_file=str(toml),
                          overrides=["gates.minimum_update_count=5"])
     assert config.gates.minimum_valid_group_ratio == 0.3
     assert config.gates.minimum_update_count == 5  # --set wins over the gates file
-    assert config.gates.require_significant_gain is True
+    assert config.gates.require_significant_gain is False  # the file turns the default's off
     as_json = tmp_path / "gates.json"
     as_json.write_text('{"gates": {"maximum_max_length_hit_ratio": 0.25}}')
     assert load_config(gates_file=str(as_json)).gates.maximum_max_length_hit_ratio == 0.25
@@ -94,3 +94,31 @@ def test_a_dry_run_reads_the_gates_file(invoke, tmp_path):
                              "--set", "eval_prompts=4")
     assert result.exit_code == 0, result.output
     assert created == ["gates.toml"]
+
+
+def test_a_smoke_run_says_it_is_a_pipeline_check_and_which_gain_rule_decided(tiny_model_dir,
+                                                                             tmp_path):
+    """The smoke profile's purpose is printed with its decision, where a user reads it, and so
+    is the rule its gain gates read (the default's: the bootstrap lower bound)."""
+    from conftest import TINY_SIZES
+
+    args = ["run", "--profile", "smoke", "--model", str(tiny_model_dir),
+            "--out", str(tmp_path / "run")]
+    for key, value in TINY_SIZES.items():
+        args += ["--set", f"{key}={json.dumps(value)}"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())  # rich wraps long lines at the terminal width
+    assert "profile smoke: a pipeline check" in text
+    assert ("gain gates (reward, pass_at_group) read the 95 % paired bootstrap lower bound "
+            "(gates.require_significant_gain = true)") in text
+
+
+def test_profile_notes():
+    from grpogate.config import load_config, profile_note
+
+    assert "pipeline check" in profile_note("smoke")
+    assert profile_note("default") == "" and profile_note("gsm8k_qwen05b") == ""
+    assert profile_note("no-such-profile") == ""  # a run dir from a profile since removed
+    # The note is what the profile is for, not a setting: loading the profile ignores it.
+    assert not hasattr(load_config("smoke"), "note")

@@ -108,7 +108,9 @@ def test_gates_table_fits_80_columns_one_line_per_check(tmp_path):
     lines = console.export_text().splitlines()
     assert max(len(line) for line in lines) <= 80
     for check in checks:  # each check on one line, name and value whole
-        value = "953.7" if check["name"] == "memory" else str(check["value"])[:3]
+        # The table shows floats to 4 significant digits (the lower bound 0.0 reads "0").
+        shown = f"{check['value']:.4g}" if isinstance(check["value"], float) else str(check["value"])
+        value = "953.7" if check["name"] == "memory" else shown[:3]
         assert any(f"│ {check['name']} " in line and value in line for line in lines), check
     # The synthetic run's peak is 10**9 bytes (0.93 GiB); the default gate is 10 GiB.
     assert any("953.7 MiB" in line and "10.0 GiB" in line for line in lines), lines

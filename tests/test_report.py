@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from grpogate.evidence.audit import audit_run
 from grpogate.cli import app
-from grpogate.evidence.report import FIGURE_NAMES, SECTIONS, write_report
+from grpogate.evidence.report import FIGURE_NAMES, SECTIONS, gates_section, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -198,3 +198,15 @@ def test_report_shows_the_configuration_completions_and_what_to_try(tmp_path):
     assert "Where baseline and candidate differ most" in visible
     # Memory on the CPU: one row, not three copies of the resident set.
     assert visible.count("peak resident set") == 1 and "peak allocated" not in visible
+
+
+def test_the_report_states_the_gain_rule_and_the_smoke_profile_s_purpose(run_dir):
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    page = gates_section(evidence)
+    assert "bootstrap lower bound (require_significant_gain)" in page
+    assert "pipeline check" not in page  # the synthetic profile has no note
+    evidence["config"]["profile"] = "smoke"
+    evidence["config"]["gates"]["require_significant_gain"] = False
+    page = gates_section(evidence)
+    assert "<b>profile smoke</b>: a pipeline check" in page
+    assert "point estimate" in page and "require_significant_gain" not in page

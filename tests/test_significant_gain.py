@@ -1,6 +1,10 @@
-"""The optional `require_significant_gain` gate: off by default (SPEC §5 gates keep their
-meaning); on, the reward and pass_at_group checks read the paired bootstrap lower bound."""
+"""The `require_significant_gain` gate: on in the default profile (SPEC §3: `accept` on the
+default means a gain its re-test resolves), off in SPEC §5's profile and in a gates table that
+does not name it (the published gates keep their meaning); on, the reward and pass_at_group
+checks read the paired bootstrap lower bound. The run's output, `decide` and the report say
+which rule decided."""
 
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +12,8 @@ from synthetic_run import write_synthetic_run
 
 from grpogate.evidence.audit import audit_run
 from grpogate.config import Gates, load_config
-from grpogate.evidence.decisions import decide_run, evaluate_grpo_candidate, validate_gates
+from grpogate.evidence.decisions import (decide_run, evaluate_grpo_candidate, gain_rule,
+                                         gain_rule_line, validate_gates)
 from grpogate.errors import InputError
 
 SHA = "0123456789abcdef" * 4
@@ -41,13 +46,29 @@ def rows(result):
     return {row["name"]: row for row in result["checks"]}
 
 
-def test_off_by_default_reads_point_estimates():
+def test_off_reads_point_estimates():
     for gates in (GATES, dict(GATES, require_significant_gain=False)):
         result = decide_run(evidence(), gates)
         assert result["decision"] == "accept"
         assert rows(result)["reward"]["value"] == 0.1
         assert rows(result)["pass_at_group"]["value"] == 0.1
-    assert Gates().require_significant_gain is False
+        assert gain_rule(gates) == "point estimate"
+        assert "point estimate" in gain_rule_line(gates)
+
+
+def test_the_default_profile_requires_significance_and_spec_5_does_not():
+    assert Gates().require_significant_gain is True
+    assert load_config("default").gates.require_significant_gain is True
+    assert load_config("smoke").gates.require_significant_gain is True
+    spec = load_config("gsm8k_qwen05b")
+    assert spec.gates.require_significant_gain is False
+    # The same evidence (gains 0.1 / 0.1, intervals reaching below 0) under each profile's gates.
+    default_gates = dataclasses.asdict(load_config("default").gates)
+    spec_gates = dataclasses.asdict(spec.gates)
+    assert decide_run(evidence(), default_gates)["failed_checks"] == ["reward", "pass_at_group"]
+    assert decide_run(evidence(), spec_gates)["decision"] == "accept"
+    assert gain_rule(default_gates) == "bootstrap lower bound"
+    assert "require_significant_gain = true" in gain_rule_line(default_gates)
 
 
 def test_on_reads_the_bootstrap_lower_bound():
@@ -87,7 +108,8 @@ def test_synthetic_run_hand_computed_intervals(tmp_path):
     with probabilities 1/4, 1/2, 1/4: the 95 % interval is [0.25, 0.5]. pass@group deltas are
     1 and 0: interval [0, 1] around 0.5. A reward gate of 0.3 is cleared by the point estimate
     (0.375) but not by the lower bound (0.25)."""
-    run_dir = write_synthetic_run(tmp_path / "plain", minimum_reward_gain=0.3)
+    run_dir = write_synthetic_run(tmp_path / "plain", minimum_reward_gain=0.3,
+                                  require_significant_gain=False)
     plain = json.loads((run_dir / "evidence.json").read_text())
     paired = plain["comparison"]["paired"]
     assert (paired["reward_mean_gain"]["point"], paired["reward_mean_gain"]["low"],
@@ -106,3 +128,5 @@ def test_synthetic_run_hand_computed_intervals(tmp_path):
     # The audit re-derives the same decision from the stored gates.
     audit = audit_run(run_dir)
     assert audit["agrees"] is True and audit["decision"] == "tune"
+    assert audit["gain_rule"] == "bootstrap lower bound"
+    assert audit_run(tmp_path / "plain" / "run")["gain_rule"] == "point estimate"

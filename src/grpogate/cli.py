@@ -167,8 +167,12 @@ def _print_run_result(evidence: dict, exit_code_from_decision: bool) -> None:
     """The gates table, the re-test line and the decision; exits with the run's code."""
     from grpogate.interrupts import exit_code
 
+    from grpogate.config import profile_note
+    from grpogate.evidence.decisions import gain_rule_line
+
     decision = evidence["decision"]
     console.print(gates_table(decision))
+    console.print(gain_rule_line(evidence["config"]["gates"]))
     comparison = evidence["comparison"]
     if comparison.get("skipped"):
         console.print("re-test skipped: the run stopped before it")
@@ -187,6 +191,10 @@ def _print_run_result(evidence: dict, exit_code_from_decision: bool) -> None:
     style = DECISION_STYLE[decision["decision"]]
     failed = ", ".join(decision["failed_checks"]) or "none"
     console.print(f"decision: [{style}]{decision['decision']}[/] (failed checks: {failed})")
+    note = profile_note(evidence["config"]["profile"])
+    if note:
+        console.print(f"[yellow]profile {escape(evidence['config']['profile'])}:[/] "
+                      f"{escape(note)}", soft_wrap=True)
     console.print(f"evidence: {evidence['run_dir']}/manifest.json (re-check: grpogate decide "
                   f"{evidence['run_dir']})", soft_wrap=True)
     if evidence["interruption"]:
@@ -260,6 +268,8 @@ def decide(
         console.print_json(json.dumps(audit))
     else:
         console.print(gates_table({"checks": audit["checks"]}))
+        if audit["checks"]:  # an unreadable evidence file has no gates to read
+            console.print(audit["gain_rule_line"], soft_wrap=True)
         for name, gate in audit.get("non_default_gates", {}).items():
             console.print(f"[yellow]non-default gate[/] {name} = {gate['value']!r} "
                           f"(default {gate['default']!r})", soft_wrap=True)

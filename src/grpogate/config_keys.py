@@ -86,7 +86,8 @@ KEY_HELP = {
     "gates.minimum_pass_at_group_gain": "tune unless re-test pass@k gains at least this",
     "gates.maximum_max_length_hit_ratio": "tune if more completions than this hit max_new_tokens",
     "gates.maximum_peak_allocated_bytes": "tune if peak memory exceeds this",
-    "gates.require_significant_gain": "gain gates read the 95 % bootstrap lower bound, not the point",
+    "gates.require_significant_gain": "true: gain gates read the 95 % bootstrap lower bound; false: "
+                                      "the point estimate (SPEC §5's gates)",
 }
 
 

@@ -491,6 +491,8 @@ def audit_run(run_dir: str | Path) -> dict[str, Any]:
         "agrees": not audit.mismatches and recomputed["decision"] == recorded,
         "mismatches": audit.mismatches, "checks": recomputed["checks"],
         "non_default_gates": non_default_gates(evidence),
+        "gain_rule": decisions.gain_rule((evidence.get("config") or {}).get("gates")),
+        "gain_rule_line": decisions.gain_rule_line((evidence.get("config") or {}).get("gates")),
     }
 
 

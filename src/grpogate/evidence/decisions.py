@@ -197,13 +197,32 @@ def _retest_skipped(evidence: Any) -> bool:
     return _get(evidence, "comparison", "skipped") is True
 
 
+def gain_rule(gates: Any) -> str:
+    """Which measure of the re-test gains the reward and pass_at_group gates read: the 95 %
+    paired bootstrap lower bound when `require_significant_gain` is true, else the point
+    estimate (a gates table without the switch: SPEC §5's gates). The run's output, `decide`
+    and the report state it with this one rule."""
+    if _get(gates, "require_significant_gain") is True:
+        return "bootstrap lower bound"
+    return "point estimate"
+
+
+def gain_rule_line(gates: Any) -> str:
+    """One sentence for a reader: which rule decided the gain gates, and how to switch it."""
+    if gain_rule(gates) == "bootstrap lower bound":
+        return ("gain gates (reward, pass_at_group) read the 95 % paired bootstrap lower bound "
+                "(gates.require_significant_gain = true)")
+    return ("gain gates (reward, pass_at_group) read the point estimate "
+            "(gates.require_significant_gain = false: SPEC §5's published gates)")
+
+
 def _gain(evidence: Any, gates: Any, name: str) -> Any:
     """The point estimate of a re-test gain, or its bootstrap lower bound when the gates
     require a significant gain (missing paired statistics then fail the check); None when the
     re-test was skipped."""
     if _retest_skipped(evidence):
         return None
-    if _get(gates, "require_significant_gain") is True:
+    if gain_rule(gates) == "bootstrap lower bound":
         return _get(evidence, "comparison", "paired", name, "low")
     return _get(evidence, "comparison", name)
 

@@ -19,7 +19,9 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from grpogate.config import profile_note
 from grpogate.errors import InputError
+from grpogate.evidence.decisions import gain_rule
 from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.evidence.report_figures import paired_prompts, render_all, stage_seconds
 from grpogate.files import atomic_write_bytes
@@ -104,8 +106,8 @@ def gates_section(evidence: dict) -> str:
     decision = evidence.get("decision") or {}
     verdict = str(decision.get("decision", "unknown"))
     failed = ", ".join(decision.get("failed_checks") or []) or "none"
-    significant = ((evidence.get("config") or {}).get("gates") or {}).get("require_significant_gain")
-    gain_measure = "bootstrap lower bound" if significant is True else "point estimate"
+    gain_measure = gain_rule((evidence.get("config") or {}).get("gates"))
+    significant = gain_measure == "bootstrap lower bound"
     rows = []
     for check in decision.get("checks") or []:
         unit = "bytes" if check.get("name") == "memory" else ""
@@ -115,13 +117,17 @@ def gates_section(evidence: dict) -> str:
         rows.append([_e(check.get("name")), _e(_fmt(check.get("value"), unit)),
                      _e(_fmt(check.get("threshold"), unit)), result, _e(check.get("on_fail")),
                      _e(measure)])
+    profile = str((evidence.get("config") or {}).get("profile", ""))
+    note = profile_note(profile)
+    purpose = f'<p class="note"><b>profile {_e(profile)}</b>: {_e(note)}</p>' if note else ""
     return (f'<p><span class="decision {_e(verdict)}">{_e(verdict.upper())}</span> '
             f"status <code>{_e(evidence.get('status'))}</code>; failed checks: {_e(failed)}</p>"
+            + purpose
             + _h2("gates", "Delivery gates")
             + _table(["check", "value", "threshold", "result", "on fail", "gain measure"], rows)
             + '<p class="note">Minimums and maximums are inclusive. The reward and pass_at_group '
             f"gates read the re-test gain's {_e(gain_measure)}"
-            f"{' (require_significant_gain)' if significant is True else ''}, scored by the "
+            f"{' (require_significant_gain)' if significant else ''}, scored by the "
             "correctness verifier alone, whatever reward components the training used.</p>")
 
 
