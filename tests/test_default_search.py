@@ -6,6 +6,7 @@ tests/synthetic_run.py; the search itself runs two candidates end to end on the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -124,3 +125,39 @@ def test_search_runs_each_candidate_on_the_development_set(tiny_model_dir, tmp_p
     # A second search never reuses the first one's run directories.
     with pytest.raises(FileExistsError):
         default_search.search(plan, tmp_path / "search", record, ["good"], extra)
+
+
+def test_transfer_check_pairs_baseline_and_adapter_on_unseen_problems(tiny_config, tmp_path):
+    """On a finished tiny run: the unseen-seed check evaluates exactly the problems of that seed,
+    the neighbouring task those of chain_sum with three terms, both refuse prompts the run
+    trained on, and the candidate evaluated is the run's delivered adapter (its version)."""
+    import transfer_check
+
+    from grpogate.inputs.tasks import load_eval_set
+    from grpogate.pipeline import run
+
+    config = tiny_config(tmp_path)
+    evidence = run(config)
+    run_dir = Path(config.out)
+    row = transfer_check.transfer(run_dir, 2_000_000, transfer_check.NEIGHBOUR, None)
+
+    unseen, neighbour = row["unseen_seed"], row["neighbouring_task"]
+    expected = dataclasses.replace(config.task, eval_seed=2_000_000)
+    assert unseen["eval_set_sha256"] == load_eval_set(expected, 4)[1]["problem_set_sha256"]
+    three_terms = dataclasses.replace(config.task, params={**config.task.params, "min_terms": 3,
+                                                           "max_terms": 3})
+    assert neighbour["eval_set_sha256"] == load_eval_set(three_terms, 4)[1]["problem_set_sha256"]
+    assert neighbour["task"]["params"]["max_terms"] == 3 and neighbour["task"]["eval_seed"] == 2
+    for check in (unseen, neighbour):
+        assert (check["prompts"], check["group_size"]) == (4, 2)
+        assert check["seed"] == config.seed + 10_000  # the run's own re-test seed
+        assert check["trained_prompts_checked"] == config.train_prompts
+        assert check["reward"]["gain"] == pytest.approx(
+            check["reward"]["candidate"] - check["reward"]["baseline"])
+    assert row["own_retest"]["gain"] == evidence["comparison"]["reward_mean_gain"]
+
+    # Seed 1 is the train seed: its first items are training problems, so the check refuses.
+    from grpogate.errors import InputError
+
+    with pytest.raises(InputError, match="were trained on by that run"):
+        transfer_check.transfer(run_dir, 1, transfer_check.NEIGHBOUR, None)
