@@ -59,6 +59,7 @@ def test_config_show_prints_every_key_as_a_config_file_that_reproduces_the_profi
     path = tmp_path / "shown.toml"
     path.write_text(result.output)
     tomllib.loads(result.output)  # valid TOML, comments and all
+    assert result.output.startswith("# profile smoke: a pipeline check")  # what it is for
     assert load_config("default", str(path)).to_dict() == load_config("smoke").to_dict()
 
 

@@ -357,6 +357,11 @@ def config_show(
         console.print_json(json.dumps(config.to_dict() | {"steps": config.steps}))
         return
     # TOML, one key a line with its type and meaning as a comment: copy lines into --config.
+    from grpogate.config import profile_note
+
+    if profile_note(profile):
+        console.print(f"# profile {escape(profile)}: {escape(profile_note(profile))}",
+                      soft_wrap=True)
     section = ""
     rows = describe_config(config)
     # Top-level keys first: in TOML a key after [task] belongs to [task].
