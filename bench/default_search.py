@@ -189,13 +189,16 @@ def dev_overlap_with_default_eval(overrides: list[str]) -> dict:
 
 
 def run_candidate(out_dir: Path, overrides: list[str]) -> tuple[int, float, str, list[str]]:
-    """One `grpogate run` in a child process: (exit code, wall seconds, output tail, command)."""
+    """One `grpogate run` in a child process: (exit code, wall seconds, output tail, command);
+    its whole output is kept in `<out_dir>.log`."""
     command = [sys.executable, "-m", "grpogate", "run", "--out", str(out_dir)]
     for text in overrides:
         command += ["--set", text]
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     wall = time.monotonic() - started
+    # The terminal output, whole, beside the run directory (a run dir holds only run files).
+    Path(f"{out_dir}.log").write_text(done.stdout + done.stderr, encoding="utf-8")
     return done.returncode, wall, (done.stdout + done.stderr)[-2000:], command
 
 

@@ -13,8 +13,12 @@ one seed (the run's re-test seed) with the run's own sampling settings and eval 
 - neighbouring task: the same generator with `--neighbour` overrides (default: chain_sum with
   three terms instead of two) at the run's eval seed.
 
-Both evaluations refuse any eval prompt the run trained on (`grpogate eval --exclude-run`'s
-check, on the run's problems.jsonl and trajectories), so disjointness is proven, not assumed.
+Both draw their problems skipping every prompt the run trained on (its problems.jsonl and
+trajectories), then check it as `grpogate eval --exclude-run` does: disjointness is proven, not
+assumed. Seeds alone would not do it: chain_sum's one-digit half has 200 distinct questions, so
+a 64-prompt set at seed 2,000,000 shares 6 prompts with a 64-prompt train set at seed 1
+(measured). The skipping makes these sets slightly harder than the run's own eval set (fewer
+one-digit problems), which is part of what the comparison with the run's own gain shows.
 The result (gains, 95 % paired intervals, exact tests, truncation) is printed and appended as one
 JSON line to the record.
 """
@@ -75,11 +79,11 @@ def paired_gain(config, run_dir: Path, evidence: dict) -> dict:
     from grpogate.standalone_eval import compare_evaluations, evaluate_standalone
 
     seed = config.seed + EVAL_SEED_OFFSET
-    baseline = evaluate_standalone(config, "baseline", seed, exclude_run=str(run_dir))
+    baseline = evaluate_standalone(config, "baseline", seed, skip_run=str(run_dir))
     adapter = run_dir / (evidence.get("artifact") or {}).get("path", "adapter")
     candidate_config = dataclasses.replace(config, adapter=str(adapter), baseline_manifest="")
     candidate = evaluate_standalone(candidate_config, f"candidate {adapter}", seed,
-                                    exclude_run=str(run_dir))
+                                    skip_run=str(run_dir))
     if candidate["policy"]["policy_version"] != evidence["artifact"]["new_policy_version"]:
         raise SystemExit(f"error: {adapter}: its policy version is not the run's "
                          "new_policy_version; the adapter was changed after the run")

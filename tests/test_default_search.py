@@ -120,6 +120,7 @@ def test_search_runs_each_candidate_on_the_development_set(tiny_model_dir, tmp_p
     expected = [p.prompt_id for p in load_eval_set(development.task, development.eval_prompts)[0]]
     assert [r["prompt_id"] for r in stored if r["split"] == "eval"] == expected
     assert not {r["prompt_id"] for r in stored if r["split"] == "train"} & set(expected)
+    assert "decision: " in Path(good["run_dir"] + ".log").read_text()  # the terminal output
     assert bad["status"] == "failed" and bad["exit_code"] == 2
     assert "learning_rate" in bad["output_tail"]
     # A second search never reuses the first one's run directories.
@@ -128,36 +129,44 @@ def test_search_runs_each_candidate_on_the_development_set(tiny_model_dir, tmp_p
 
 
 def test_transfer_check_pairs_baseline_and_adapter_on_unseen_problems(tiny_config, tmp_path):
-    """On a finished tiny run: the unseen-seed check evaluates exactly the problems of that seed,
-    the neighbouring task those of chain_sum with three terms, both refuse prompts the run
-    trained on, and the candidate evaluated is the run's delivered adapter (its version)."""
+    """On a finished tiny run: the unseen-seed check evaluates exactly the problems of that seed
+    (minus any the run trained on), the neighbouring task those of chain_sum with three terms,
+    and the candidate evaluated is the run's delivered adapter (its version is checked)."""
     import transfer_check
 
     from grpogate.inputs.tasks import load_eval_set
     from grpogate.pipeline import run
+    from grpogate.standalone_eval import trained_prompt_ids
 
     config = tiny_config(tmp_path)
     evidence = run(config)
     run_dir = Path(config.out)
+    trained = frozenset(trained_prompt_ids(run_dir))
     row = transfer_check.transfer(run_dir, 2_000_000, transfer_check.NEIGHBOUR, None)
 
     unseen, neighbour = row["unseen_seed"], row["neighbouring_task"]
     expected = dataclasses.replace(config.task, eval_seed=2_000_000)
-    assert unseen["eval_set_sha256"] == load_eval_set(expected, 4)[1]["problem_set_sha256"]
+    assert unseen["eval_set_sha256"] == load_eval_set(
+        expected, 4, exclude_ids=trained)[1]["problem_set_sha256"]
     three_terms = dataclasses.replace(config.task, params={**config.task.params, "min_terms": 3,
                                                            "max_terms": 3})
-    assert neighbour["eval_set_sha256"] == load_eval_set(three_terms, 4)[1]["problem_set_sha256"]
+    assert neighbour["eval_set_sha256"] == load_eval_set(
+        three_terms, 4, exclude_ids=trained)[1]["problem_set_sha256"]
     assert neighbour["task"]["params"]["max_terms"] == 3 and neighbour["task"]["eval_seed"] == 2
     for check in (unseen, neighbour):
         assert (check["prompts"], check["group_size"]) == (4, 2)
         assert check["seed"] == config.seed + 10_000  # the run's own re-test seed
-        assert check["trained_prompts_checked"] == config.train_prompts
+        assert check["trained_prompts_checked"] == len(trained) == config.train_prompts
         assert check["reward"]["gain"] == pytest.approx(
             check["reward"]["candidate"] - check["reward"]["baseline"])
     assert row["own_retest"]["gain"] == evidence["comparison"]["reward_mean_gain"]
 
-    # Seed 1 is the train seed: its first items are training problems, so the check refuses.
-    from grpogate.errors import InputError
-
-    with pytest.raises(InputError, match="were trained on by that run"):
-        transfer_check.transfer(run_dir, 1, transfer_check.NEIGHBOUR, None)
+    # Seed 1 is the train seed: its first items include training problems. They are skipped
+    # while drawing, so the set differs from the plain seed-1 set and holds none of them.
+    at_train_seed = transfer_check.transfer(run_dir, 1, transfer_check.NEIGHBOUR, None)
+    train_seed = dataclasses.replace(config.task, eval_seed=1)
+    plain = load_eval_set(train_seed, 4)[0]
+    assert {p.prompt_id for p in plain} & trained  # the plain set would overlap
+    skipped = load_eval_set(train_seed, 4, exclude_ids=trained)
+    assert not {p.prompt_id for p in skipped[0]} & trained
+    assert at_train_seed["unseen_seed"]["eval_set_sha256"] == skipped[1]["problem_set_sha256"]

@@ -276,3 +276,21 @@ def test_a_zero_width_character_does_not_change_the_prompt_id(hidden):
     # The pinned id of the plain question (above) is unchanged: nothing visible was dropped.
     assert prompt_id(f"What is 2{hidden} + 3?") == hashlib.sha256(b"what is 2 + 3?").hexdigest()[:16]
     assert prompt_id(f"{hidden}What is 2 + 3?{hidden}") == prompt_id("What is 2 + 3?")
+
+
+def test_seeds_far_apart_still_share_one_digit_chain_sums_and_exclusion_removes_them():
+    """chain_sum with 1-2 digit terms: a one-digit item is one of 10 x 10 x 2 = 200 questions,
+    so two 64-prompt sets at seeds 2 and 1,000,000 share some (7 measured) whatever the seeds'
+    distance; drawing with the other set's ids excluded shares none and is still 64 distinct."""
+    from grpogate.config import TaskConfig
+    from grpogate.inputs.tasks import load_eval_set
+
+    default_eval, _ = load_eval_set(TaskConfig(eval_seed=2), 64)
+    development, _ = load_eval_set(TaskConfig(eval_seed=1_000_000), 64)
+    ids = {p.prompt_id for p in default_eval}
+    assert len({p.prompt_id for p in development} & ids) == 7
+    disjoint, identity = load_eval_set(TaskConfig(eval_seed=1_000_000), 64, exclude_ids=frozenset(ids))
+    assert len({p.prompt_id for p in disjoint}) == 64 and not {p.prompt_id for p in disjoint} & ids
+    assert identity["excluded_prompts"] == 64
+    with pytest.raises(InputError, match="needs a reasoning-gym task"):
+        load_eval_set(TaskConfig(source="gsm8k", path="x"), 4, exclude_ids=frozenset({"a"}))

@@ -55,9 +55,10 @@ def parse_tasks_spec(spec: str) -> dict[str, str]:
                      "or gsm8k:PATH (a directory with test.jsonl, a .jsonl file or an HF id)")
 
 
-def load_eval_problems(config: RunConfig) -> tuple[list, dict]:
-    """The eval set exactly as a run draws it."""
-    return load_eval_set(config.task, config.eval_prompts)
+def load_eval_problems(config: RunConfig, exclude_ids: frozenset[str] = frozenset()
+                       ) -> tuple[list, dict]:
+    """The eval set exactly as a run draws it (skipping `exclude_ids` while drawing)."""
+    return load_eval_set(config.task, config.eval_prompts, exclude_ids=exclude_ids)
 
 
 def trained_prompt_ids(run_dir: str | Path) -> set[str]:
@@ -88,13 +89,15 @@ def refuse_trained_prompts(problems: list, run_dir: str | Path) -> int:
 
 
 def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, advance=None,
-                        exclude_run: str | None = None) -> dict:
+                        exclude_run: str | None = None, skip_run: str | None = None) -> dict:
     """Sample `config.eval_group_size` fresh completions per eval prompt from one policy.
 
     `config.model` / `config.adapter` name the policy. The policy runs as the pipeline's
     baseline does (adapter disabled, or the loaded adapter as frozen reference), so its
     version is the one a run starting from it would record. `exclude_run`: a run directory
     whose training prompts must not be among the eval prompts (checked before loading).
+    `skip_run` (reasoning-gym): draw the eval set skipping that run's training prompts, then
+    check as `exclude_run` does.
     """
     from grpogate.sampling.retest import evaluate_policy
     from grpogate.inputs.policy import load_policy, sampling_weights
@@ -105,11 +108,13 @@ def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, advance=
         verifier = get_verifier(config.resolved_verifier())
     except ValueError as error:
         raise InputError(f"verifier: {error}") from None
-    problems, eval_identity = load_eval_problems(config)
+    skipped = frozenset(trained_prompt_ids(skip_run)) if skip_run else frozenset()
+    problems, eval_identity = load_eval_problems(config, skipped)
     excluded = None
-    if exclude_run:
-        excluded = {"run_dir": str(exclude_run),
-                    "trained_prompts": refuse_trained_prompts(problems, exclude_run), "shared": 0}
+    if exclude_run or skip_run:
+        checked = exclude_run or skip_run
+        excluded = {"run_dir": str(checked), "skipped_while_drawing": bool(skip_run),
+                    "trained_prompts": refuse_trained_prompts(problems, checked), "shared": 0}
     started = time.perf_counter()
     policy = load_policy(config, adapter=config.adapter, seed=config.seed)
     load_seconds = time.perf_counter() - started

@@ -283,14 +283,24 @@ def problem_set_hash(problems: list[Problem]) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
-def load_eval_set(task, eval_prompts: int, source: str = "") -> tuple[list[Problem], dict]:
-    """The eval set alone, exactly as a run draws it (`grpogate eval` and the run share it)."""
+def load_eval_set(task, eval_prompts: int, source: str = "",
+                  exclude_ids: frozenset[str] = frozenset()) -> tuple[list[Problem], dict]:
+    """The eval set alone, exactly as a run draws it (`grpogate eval` and the run share it).
+
+    `exclude_ids` (reasoning-gym only): skip these prompts while drawing, as the train set
+    skips the eval set's. Seeds far apart do not make two sets disjoint: chain_sum's one-digit
+    half has only 200 distinct questions, so any two 64-prompt sets share a few."""
     if task.source == "gsm8k":
+        if exclude_ids:
+            raise InputError("skipping given prompts while drawing needs a reasoning-gym task; "
+                             "for GSM8K choose another split or seed")
         problems, identity = load_gsm8k(source or task.path, task.eval_split, eval_prompts,
                                         task.eval_seed)
     else:
         problems, identity = load_reasoning_gym(task.name, task.params, eval_prompts,
-                                                task.eval_seed)
+                                                task.eval_seed, exclude_ids)
+        if exclude_ids:
+            identity["excluded_prompts"] = len(exclude_ids)
     check_problem_set(problems, "eval")
     identity["problem_set_sha256"] = problem_set_hash(problems)
     return problems, identity
