@@ -165,10 +165,9 @@ def run(
 
 def _print_run_result(evidence: dict, exit_code_from_decision: bool) -> None:
     """The gates table, the re-test line and the decision; exits with the run's code."""
-    from grpogate.interrupts import exit_code
-
     from grpogate.config import profile_note
     from grpogate.evidence.decisions import gain_rule_line
+    from grpogate.interrupts import exit_code
 
     decision = evidence["decision"]
     console.print(gates_table(decision))
