@@ -17,7 +17,7 @@ import grpogate
 
 PACKAGE = Path(grpogate.__file__).parent
 LAYERS = {"foundation": 0, "inputs": 1, "evidence": 2, "sampling": 3, "training": 4, "top": 5}
-FOUNDATION = {"errors", "gates", "config", "interrupts", "files", "__init__"}
+FOUNDATION = {"errors", "gates", "config", "interrupts", "files", "distributed", "__init__"}
 # Pure Python: anyone can decide, audit or compare without a model stack.
 TORCH_FREE = ["evidence/decisions.py", "evidence/metrics.py", "evidence/assemble.py",
               "evidence/audit.py", "evidence/manifest.py", "inputs/verifiers.py",

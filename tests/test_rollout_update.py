@@ -124,6 +124,31 @@ def test_same_seed_same_completions_other_seed_differs(policy, prompts):
     assert policy.model.training  # generate_completions puts the model back as it found it
 
 
+def test_a_prompt_samples_the_same_alone_or_inside_a_larger_batch(policy, prompts):
+    """World-size invariance starts here: each prompt draws from its own generator, seeded by
+    (seed, its index), so batch composition never changes its draws — here the second prompt
+    alone vs. batched with the first (other prompt length, so other padding), with EOS biased
+    so rows leave the batch at different steps in the two layouts."""
+    hook = eos_biased(policy, bias=8.0)
+    try:
+        batched = generate_completions(policy.model, policy.tokenizer, prompts, G,
+                                       settings(batch_size=2 * G), seed=11)
+        alone = generate_completions(policy.model, policy.tokenizer, prompts[1:], G,
+                                     settings(batch_size=G), seed=11, prompt_indexes=[1])
+        other_index = generate_completions(policy.model, policy.tokenizer, prompts[1:], G,
+                                           settings(batch_size=G), seed=11, prompt_indexes=[0])
+    finally:
+        hook.remove()
+    second = [c for c in batched if c.prompt_index == 1]
+    assert len(prompts[0]) != len(prompts[1])
+    assert len({len(c.completion_token_ids) for c in batched}) > 1  # rows finished unevenly
+    assert [c.completion_token_ids for c in alone] == [c.completion_token_ids for c in second]
+    for lone, inside in zip(alone, second):
+        assert lone.sampler_logprobs == pytest.approx(inside.sampler_logprobs, abs=1e-5)
+    # The seed follows the prompt's index, not its position in the call.
+    assert [c.completion_token_ids for c in other_index] != [c.completion_token_ids for c in alone]
+
+
 def test_trajectory_records_carry_every_identity(policy, prompts):
     completions = generate_completions(policy.model, policy.tokenizer, prompts, G, settings(),
                                        seed=0)

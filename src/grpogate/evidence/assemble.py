@@ -10,6 +10,7 @@ records as stored, and compares: an audit with its own copy of a rule could agre
 
 from __future__ import annotations
 
+import hashlib
 import platform
 from importlib import metadata
 
@@ -44,12 +45,22 @@ def rollout_seed(run_seed: int, step: int, generation_round: int = 0) -> int:
     return run_seed + step + REFILL_SEED_OFFSET * generation_round
 
 
+def prompt_seed(seed: int, prompt_index: int) -> int:
+    """The sampling seed of one prompt's G completions under a round's (or the re-test's)
+    `seed`: sha256 of both, 63 bits. Derived from the prompt's index in its problem set, never
+    from a rank or a batch, so a run's completions do not depend on the number of processes."""
+    digest = hashlib.sha256(f"{seed}|{prompt_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2 ** 63 - 1)
+
+
 def seeds(config: dict) -> dict:
     """Step s samples with run seed + s, the re-test with run seed + 10,000 (both policies)."""
     seed, steps = config["seed"], step_count(config["train_prompts"], config["prompts_per_step"])
     return {"run": seed, "rollout": [rollout_seed(seed, s) for s in range(steps)],
             "refill": f"run seed + step + {REFILL_SEED_OFFSET:,} x round (round >= 1)",
-            "eval": seed + EVAL_SEED_OFFSET, "bootstrap": seed}
+            "eval": seed + EVAL_SEED_OFFSET, "bootstrap": seed,
+            "per_prompt": "prompt_seed(round or eval seed, prompt index) = first 63 bits of "
+                          "sha256('<seed>|<index>'), the index in the train or eval set"}
 
 
 def _kept(group: list[dict], mask_truncated: bool) -> bool:

@@ -17,6 +17,7 @@ import torch
 from grpogate.sampling.decoding import ROW_BUCKET, make_stepper, round_up
 from grpogate.config import RunConfig
 from grpogate.errors import InputError
+from grpogate.evidence.assemble import prompt_seed
 from grpogate.inputs.tasks import Problem
 
 
@@ -90,6 +91,8 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
     exponential for every vocabulary entry (49,152 per row here) and a full float64 cumulative
     sum costs as much again; measured, each was a fifth or more of all decoding time.
     The log-prob costs one gather and the kept mass this function sums anyway.
+    `generator` is a torch.Generator (one uniform per row drawn from it) or the uniforms
+    themselves, [N, 1] float64 in [0, 1) (`_decode_groups` draws them per prompt).
     """
     # Unnormalized probabilities exp((x - max) / T), built in place in one float32 copy: the
     # inverse CDF scales its draw by the total mass, so no normalization pass is needed. The
@@ -118,7 +121,8 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
 
 
 def _inverse_cdf(probs: torch.Tensor, generator, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """probs [N, V] non-negative, unnormalized -> (chosen index [N, 1], total mass [N, 1])."""
+    """probs [N, V] non-negative, unnormalized -> (chosen index [N, 1], total mass [N, 1]).
+    `generator`: a torch.Generator, or the rows' uniforms [N, 1] float64."""
     rows, vocab = probs.shape
     whole = vocab // block * block
     masses = [probs[:, :whole].reshape(rows, -1, block).sum(-1)]  # float32 block sums [N, V / block]
@@ -126,8 +130,9 @@ def _inverse_cdf(probs: torch.Tensor, generator, block: int) -> tuple[torch.Tens
         masses.append(probs[:, whole:].sum(-1, keepdim=True))
     mass = torch.cat(masses, dim=1).double()  # [N, blocks]
     cdf = mass.cumsum(dim=1)
-    draw = torch.rand((rows, 1), generator=generator, device=probs.device,
-                      dtype=torch.float64) * cdf[:, -1:]
+    uniform = (generator if isinstance(generator, torch.Tensor) else
+               torch.rand((rows, 1), generator=generator, device=probs.device, dtype=torch.float64))
+    draw = uniform.to(device=probs.device, dtype=torch.float64) * cdf[:, -1:]
     # searchsorted(right=True) never lands on a zero-mass step; rounding past the end is
     # pulled back to the last block (or token) that has mass.
     chosen_block = torch.minimum(torch.searchsorted(cdf, draw, right=True), _last_positive(mass))
@@ -144,6 +149,20 @@ def _last_positive(values: torch.Tensor) -> torch.Tensor:
     return torch.where(values > 0, positions, 0).amax(dim=1, keepdim=True)
 
 
+def _row_uniforms(generators: list, rows: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[len(rows), 1] float64: row r's uniform for this decode step.
+
+    Every prompt with a row still in the batch draws G uniforms from its own generator, and
+    row (prompt p, sample i) takes p's i-th: the draws of a prompt never depend on which other
+    prompts share its batch or how many of its rows are still running, so a prompt samples the
+    same tokens alone, in a larger batch or on another rank (world-size invariance)."""
+    prompt_of_row = (rows // group_size).tolist()
+    table = torch.zeros((len(generators), group_size), dtype=torch.float64)  # [P, G]
+    for prompt in sorted(set(prompt_of_row)):
+        table[prompt] = torch.rand(group_size, generator=generators[prompt], dtype=torch.float64)
+    return table.view(-1)[rows.cpu()].unsqueeze(1).to(rows.device)
+
+
 @torch.no_grad()
 def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings: SamplingSettings,
                    eos_ids: set[int], pad_id: int, generator, device,
@@ -153,10 +172,13 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
 
     Each prompt is prefilled once and its KV cache repeated G times; a row that emits EOS leaves
     the batch (its cache rows are dropped), so finished sequences cost no further decode steps.
-    `advance(n)` is told of rows as they finish (the progress bar moves during the batch, not
-    only at its end); all rows are reported by the time this returns.
+    `generator` is one CPU torch.Generator per prompt (`_row_uniforms`), or a single one that
+    all prompts draw from in turn. `advance(n)` is told of rows as they finish (the progress
+    bar moves during the batch, not only at its end); all rows are reported by the time this
+    returns.
     """
     advance = advance or (lambda count: None)
+    generators = generator if isinstance(generator, list) else [generator] * len(prompts)
     logits = stepper.prefill(prompts, pad_id, group_size, settings.max_new_tokens)
     rows = torch.arange(logits.shape[0], device=device)  # original row of each batch row
     live = torch.ones(len(rows), dtype=torch.bool, device=device)  # not yet past EOS
@@ -165,7 +187,8 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
     eos = torch.tensor(sorted(eos_ids), device=device)
     total, reported = len(tokens), 0
     for step in range(settings.max_new_tokens):
-        chosen, chosen_logp = _sample(logits, settings.temperature, settings.top_p, generator,
+        uniforms = _row_uniforms(generators, rows, group_size)  # [rows, 1]
+        chosen, chosen_logp = _sample(logits, settings.temperature, settings.top_p, uniforms,
                                       top_k=settings.top_k, min_p=settings.min_p,
                                       with_logprobs=True)  # [rows], [rows]
         for row, token, logp, alive in zip(rows.tolist(), chosen.tolist(), chosen_logp.tolist(),
@@ -198,17 +221,20 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
 
 def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], group_size: int,
                          settings: SamplingSettings, seed: int, advance=None,
-                         stepper=None) -> list[Completion]:
+                         stepper=None, prompt_indexes: list[int] | None = None) -> list[Completion]:
     """Sample `group_size` completions for every prompt, batched across groups.
 
-    A private generator seeded here makes the same (policy, prompts, seed) give the same
-    completions: the baseline and the candidate see the same seeds in the re-test. The model is
-    used as it is: callers choose the weights (see `policy.sampling_weights`). `stepper` is the
-    decode forward (default: `make_stepper(model)`, built from the weights as they are now).
+    Each prompt has its own generator, seeded with `prompt_seed(seed, its index)` —
+    `prompt_indexes[j]` (its index in the problem set; default j) — so the same (policy,
+    prompt, seed, index) gives the same completions whatever batch or rank the prompt lands in,
+    and the baseline and the candidate see the same seeds in the re-test. The model is used as
+    it is: callers choose the weights (see `policy.sampling_weights`). `stepper` is the decode
+    forward (default: `make_stepper(model)`, built from the weights as they are now).
     """
     eos_ids = _eos_ids(model, tokenizer)
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    indexes = list(range(len(prompt_token_ids))) if prompt_indexes is None else prompt_indexes
+    generators = [torch.Generator().manual_seed(prompt_seed(seed, index)) for index in indexes]
     stepper = stepper or make_stepper(model)
     prompts_per_batch = max(1, settings.batch_size // group_size)
     completions: list[Completion] = []
@@ -219,7 +245,7 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
             chunk = list(range(start, min(start + prompts_per_batch, len(prompt_token_ids))))
             sampled, logprobs = _decode_groups(
                 stepper, [prompt_token_ids[p] for p in chunk], group_size, settings, eos_ids,
-                tokenizer.pad_token_id, generator, device, advance)
+                tokenizer.pad_token_id, [generators[p] for p in chunk], device, advance)
             for offset, (tokens, token_logprobs) in enumerate(zip(sampled, logprobs)):
                 prompt_index, sample_index = chunk[offset // group_size], offset % group_size
                 completion, stopped = _cut_at_eos(tokens, eos_ids)

@@ -171,7 +171,8 @@ def _generation_round(loop: Loop, state: LoopState, step: int, generation_round:
         stepper = make_stepper(policy.model)
         completions = generate_completions(policy.model, policy.tokenizer,
                                            [loop.prompts[i] for i in indexes], config.group_size,
-                                           sampling_settings(config), seed, advance, stepper)
+                                           sampling_settings(config), seed, advance, stepper,
+                                           prompt_indexes=indexes)
     generation_seconds = time.perf_counter() - started
     started = time.perf_counter()
     errors_before = loop.verifier.error_count, loop.reward_set.error_count

@@ -1,0 +1,146 @@
+"""Several processes: torch.distributed as torchrun launches it (gloo on CPU, NCCL on GPU).
+
+A `World` is this process's place in the job: its rank, the world size, the backend, and the
+few collectives the run needs. Outside torchrun (no WORLD_SIZE in the environment, or 1) it is
+the one-process world, whose collectives return their input without touching
+torch.distributed, so a one-process run takes exactly the code path it always took.
+
+What the run shares, and why each is enough (README "Several processes"):
+- prompts are sharded (`shard`), and every rank gathers the whole step's completions, so each
+  holds the same records, the same advantages and the same decisions (dynamic sampling's
+  refill, the contract) without a further message;
+- the update's micro-batches are the one-process plan dealt round-robin; the gradients are
+  summed (`all_reduce_gradients`), each micro-batch already divided by the whole step's
+  denominator, so the sum is the one-process gradient;
+- flags (stop requests, a NaN, an out-of-memory) are agreed (`any_rank`) before anyone acts.
+torchrun's elastic agent restarts a failed group; `restart_count` and `job_id` tell a
+restarted worker that it belongs to the same job (pipeline.py resumes it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str = "none"  # "gloo", "nccl", or "none" for one process
+    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT: how often the agent restarted the group
+    job_id: str = ""  # TORCHELASTIC_RUN_ID: the rendezvous id, the same over restarts
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only process that writes files, prints and logs to trackers."""
+        return self.rank == 0
+
+    def describe(self) -> dict:
+        return {"world_size": self.world_size, "backend": self.backend,
+                "restart_count": self.restart_count}
+
+    # --- collectives (the identity in a one-process world) ---------------------------------
+
+    def all_gather_object(self, value) -> list:
+        """[value of rank 0, value of rank 1, ...] on every rank (pickled; small records)."""
+        if not self.distributed:
+            return [value]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def broadcast_object(self, value):
+        """Rank 0's `value` on every rank."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any: an agreement, never a one-rank act."""
+        if not self.distributed:
+            return bool(flag)
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device())
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks, in float64."""
+        if not self.distributed or not values:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device())
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def all_reduce_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Sum every parameter's gradient over ranks, in one flat buffer. A rank that ran no
+        micro-batch this step contributes zeros (and still joins: no rank is left waiting)."""
+        if not self.distributed:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numels]
+        dist.all_reduce(flat)
+        offset = 0
+        for parameter, grad in zip(parameters, grads):
+            parameter.grad = flat[offset:offset + grad.numel()].view_as(grad).clone()
+            offset += grad.numel()
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+SINGLE = World()
+
+
+def shard(count: int, world: World) -> list[int]:
+    """The positions 0..count-1 this rank takes, dealt round-robin (balanced to one item)."""
+    return list(range(world.rank, count, world.world_size))
+
+
+def reassemble(per_rank: list[list], count: int, world_size: int) -> list:
+    """Undo `shard`: rank r's i-th item was position r + i * world_size."""
+    ordered = [None] * count
+    for rank, items in enumerate(per_rank):
+        for i, item in enumerate(items):
+            ordered[rank + i * world_size] = item
+    return ordered
+
+
+def init_world() -> World:
+    """Join the process group torchrun described in the environment, or the one-process world.
+
+    NCCL when this process has a GPU, gloo otherwise; each local rank takes its own GPU."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    job_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if world_size <= 1:
+        return World(restart_count=restart_count, job_id=job_id)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, backend, restart_count,
+                 job_id)
+
+
+def close_world(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
