@@ -111,20 +111,67 @@ def run(
         "last checkpoint, with its stored config (other options may only repeat it)."),
     exit_code_from_decision: bool = typer.Option(
         False, "--exit-code-from-decision", help="Exit 0 on accept, 3 on tune, 4 on reject."),
+    nproc: Optional[int] = typer.Option(
+        None, "--nproc", metavar="N", min=1, help="Launch the run under torchrun with N "
+        "processes on this machine (torchrun --standalone --nproc_per_node N -m grpogate run ...)."),
+    max_restarts: int = typer.Option(
+        0, "--max-restarts", metavar="K", min=0, help="With --nproc: torchrun restarts a failed "
+        "worker group up to K times; the restarted group resumes from the last checkpoint."),
 ) -> None:
     """Run admission, rollout, GRPO update, independent re-test and delivery."""
+    if nproc is not None:
+        raise typer.Exit(_launch_torchrun(nproc, max_restarts))
+    from grpogate.distributed import close_world, init_world
+
+    world = init_world()
+    if not world.is_main:
+        console.quiet = True  # one voice: rank 0 prints, the others only compute
+    try:
+        _run(profile, config_file, gates_file, overrides, out, label, dry_run, resume,
+             exit_code_from_decision, world,
+             dict(model=model, adapter=adapter, baseline_manifest=baseline_manifest, seed=seed,
+                  device=device, dtype=dtype, tensorboard=tensorboard, steps=steps,
+                  group_size=group_size, learning_rate=learning_rate,
+                  max_new_tokens=max_new_tokens, report_to=report_to, task=task))
+    finally:
+        close_world(world)
+
+
+def _launch_torchrun(nproc: int, max_restarts: int) -> int:
+    """`grpogate run --nproc N ...` -> torchrun with the same arguments, less these two."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "grpogate",
+               *torchrun_arguments(sys.argv[1:])]
+    return subprocess.call(command)
+
+
+def torchrun_arguments(argv: list[str]) -> list[str]:
+    """`argv` without --nproc / --max-restarts (and their values): what each worker runs."""
+    kept, skip = [], False
+    for argument in argv:
+        if skip:
+            skip = False
+        elif argument in ("--nproc", "--max-restarts"):
+            skip = True
+        elif not argument.startswith(("--nproc=", "--max-restarts=")):
+            kept.append(argument)
+    return kept
+
+
+def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resume,
+         exit_code_from_decision, world, named: dict) -> None:
     from grpogate import pipeline
     from grpogate.interrupts import RunInterrupted, exit_code
-
+    from grpogate.pipeline import NullReporter
     from grpogate.standalone_eval import parse_tasks_spec
 
     config = None
+    task = named.pop("task")
     try:
-        named = dict(model=model, adapter=adapter, baseline_manifest=baseline_manifest, seed=seed,
-                     device=device, dtype=dtype, tensorboard=tensorboard, steps=steps,
-                     group_size=group_size, learning_rate=learning_rate,
-                     max_new_tokens=max_new_tokens, report_to=report_to,
-                     task=parse_tasks_spec(task) if task else None)
+        named["task"] = parse_tasks_spec(task) if task else None
         if resume is not None:
             config = _resume_config(resume, out, label, dry_run, profile, config_file, gates_file,
                                     overrides, named)
@@ -136,11 +183,12 @@ def run(
             console.print_json(json.dumps(report))
             console.print("[green]dry run passed:[/] configuration, inputs and environment are usable")
             return
-        with progress_bars() as progress:
+        with progress_bars() if world.is_main else contextlib.nullcontext() as progress:
+            reporter = RichReporter(progress) if world.is_main else NullReporter()
             if resume is not None:
-                evidence = pipeline.resume(resume, config, RichReporter(progress))
+                evidence = pipeline.resume(resume, config, reporter, world)
             else:
-                evidence = pipeline.run(config, RichReporter(progress))
+                evidence = pipeline.run(config, reporter, world)
     except InputError as error:
         fail(error)
     except OSError as error:

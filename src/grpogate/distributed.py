@@ -20,7 +20,8 @@ restarted worker that it belongs to the same job (pipeline.py resumes it).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,12 @@ class World:
     backend: str = "none"  # "gloo", "nccl", or "none" for one process
     restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT: how often the agent restarted the group
     job_id: str = ""  # TORCHELASTIC_RUN_ID: the rendezvous id, the same over restarts
+    # Seconds this process spent inside collectives (waiting for the slowest rank, mostly):
+    # a stage's wall time minus its growth is the rank's own work (`own_seconds`).
+    waited: dict = field(default_factory=lambda: {"seconds": 0.0}, compare=False)
+
+    def waiting(self):
+        return _Waiting(self.waited)
 
     @property
     def distributed(self) -> bool:
@@ -55,7 +62,8 @@ class World:
         if not self.distributed:
             return [value]
         gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
+        with self.waiting():
+            dist.all_gather_object(gathered, value)
         return gathered
 
     def broadcast_object(self, value):
@@ -63,7 +71,8 @@ class World:
         if not self.distributed:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        with self.waiting():
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def any_rank(self, flag: bool) -> bool:
@@ -71,7 +80,8 @@ class World:
         if not self.distributed:
             return bool(flag)
         value = torch.tensor([1.0 if flag else 0.0], device=self.device())
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        with self.waiting():
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item() > 0)
 
     def sum_floats(self, values: list[float]) -> list[float]:
@@ -79,7 +89,8 @@ class World:
         if not self.distributed or not values:
             return list(values)
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device())
-        dist.all_reduce(tensor)
+        with self.waiting():
+            dist.all_reduce(tensor)
         return tensor.tolist()
 
     def all_reduce_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
@@ -89,7 +100,8 @@ class World:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
         flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numels]
-        dist.all_reduce(flat)
+        with self.waiting():
+            dist.all_reduce(flat)
         offset = 0
         for parameter, grad in zip(parameters, grads):
             parameter.grad = flat[offset:offset + grad.numel()].view_as(grad).clone()
@@ -97,12 +109,51 @@ class World:
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            with self.waiting():
+                dist.barrier()
 
     def device(self) -> torch.device:
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+class _Waiting:
+    def __init__(self, waited: dict):
+        self.waited = waited
+
+    def __enter__(self):
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.waited["seconds"] += time.perf_counter() - self.started
+
+
+class StageClock:
+    """A stage's wall seconds on this rank and its own (outside collectives)."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.started = time.perf_counter()
+        self.waited_before = world.waited["seconds"]
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.started
+
+    def own(self) -> float:
+        return self.wall() - (self.world.waited["seconds"] - self.waited_before)
+
+
+def agree_stop(world: World, stop) -> bool:
+    """Whether any rank was asked to stop (SIGINT / SIGTERM); every rank then stops at this
+    same safe point, all recording the first asking rank's signal."""
+    if not world.distributed:
+        return stop.requested
+    names = world.all_gather_object(stop.signal_name)
+    asked = [name for name in names if name]
+    if asked and not stop.requested:
+        stop.signal_name = asked[0]
+    return bool(asked)
 
 
 SINGLE = World()

@@ -150,6 +150,21 @@ class JsonlLog:
             os.fsync(stream.fileno())
 
 
+class NullLog:
+    """A JsonlLog that writes nothing: ranks other than 0 under torchrun. Its offsets count the
+    bytes rank 0 writes for the same records, so every rank holds the same loop state."""
+
+    def __init__(self, offset: int = 0):
+        self.offset = offset
+
+    def append(self, records: list[dict]) -> int:
+        self.offset += len(jsonl_bytes(records))
+        return self.offset
+
+    def truncate(self, offset: int) -> None:
+        self.offset = offset
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     records = []
     with open(path, encoding="utf-8") as stream:

@@ -11,6 +11,12 @@ config and finishes it normally. SIGINT / SIGTERM stop a run at the next safe po
 evidence then says `interrupted`, the re-test is skipped (its fields zero and flagged), the
 interim decision is `reject`, and the checkpoints stay so that `--resume` can continue it.
 Every run holds an exclusive lock on its directory (files.RunDirLock) while it writes.
+
+Under torchrun every rank runs these same stages (distributed.World says which rank it is):
+all load the policy, sample their shard and train their share; rank 0 alone creates, locks
+and writes the run directory, the others hand it what it writes through gathers; at the end
+all ranks check that they hold the same adapter, and rank 0's evidence is every rank's result.
+A worker group restarted by torchrun's elastic agent resumes its job's run (elastic.py).
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ from pathlib import Path
 
 import torch
 
+from grpogate import elastic
 from grpogate.config import RunConfig, resume_config
+from grpogate.distributed import SINGLE, StageClock, World, agree_stop
 from grpogate.errors import InputError
 from grpogate.evidence.assemble import assemble_evidence, library_versions
 from grpogate.evidence.manifest import PROBLEMS_FILE, build_manifest, read_baseline_manifest
 from grpogate.evidence.trackers import Trackers, check_trackers
-from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, RunDirLock, atomic_directory, atomic_write_bytes,
+from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, NullLog, RunDirLock, atomic_directory,
+                            atomic_write_bytes,
                             atomic_write_json, create_run_dir, jsonl_bytes, read_jsonl,
                             refuse_existing_output, refuse_output_inside_a_run, remove_staging,
                             sha256_path)
@@ -174,15 +183,23 @@ def input_identity(admission: Admission, policy: Policy) -> dict:
             "baseline_policy_version": policy.baseline_version}
 
 
-def run(config: RunConfig, reporter=None) -> dict:
+def run(config: RunConfig, reporter=None, world: World = SINGLE) -> dict:
     """Run every stage; returns the evidence dict (also on disk with the manifest).
 
-    SIGINT / SIGTERM stop the run at the next safe point with status `interrupted`."""
+    SIGINT / SIGTERM stop the run at the next safe point with status `interrupted`. A worker
+    group that torchrun's agent restarted continues its job's run (elastic.py)."""
+    elastic.settle_run_dir(config, world)
+    if elastic.restart_action(run_dir_for(config), world) == "resume":
+        reporter = reporter or NullReporter()
+        reporter.log(f"restarted by torchrun (restart {world.restart_count}): resuming "
+                     f"{run_dir_for(config)}")
+        return resume(run_dir_for(config), config, reporter, world)
     with stop_on_signals() as stop, contextlib.ExitStack() as held:
-        return _execute(admit(config), reporter or NullReporter(), stop, None, held)
+        return _execute(admit(config), reporter or NullReporter(), stop, None, held, world)
 
 
-def resume(run_dir: str | Path, config: RunConfig | None = None, reporter=None) -> dict:
+def resume(run_dir: str | Path, config: RunConfig | None = None, reporter=None,
+           world: World = SINGLE) -> dict:
     """Continue a killed run from its last complete checkpoint and finish it normally.
 
     `config` defaults to the run's stored config; when given it must be identical to it."""
@@ -192,7 +209,8 @@ def resume(run_dir: str | Path, config: RunConfig | None = None, reporter=None) 
     # One writer per run directory: a second resume of the same run is refused here, before
     # it reads the checkpoint, truncates the trajectories or writes anything.
     with contextlib.ExitStack() as held, stop_on_signals() as stop:
-        held.enter_context(RunDirLock(run_dir))
+        if world.is_main:
+            held.enter_context(RunDirLock(run_dir))
         checkpoint = checkpoint_to_resume(run_dir)
         where = str(checkpoint.directory / "state.json")
         stored = resume_config(checkpoint.state.get("config"), where)
@@ -200,7 +218,7 @@ def resume(run_dir: str | Path, config: RunConfig | None = None, reporter=None) 
             raise InputError(f"{where}: the given config differs from the run's stored config; "
                              "a resumed run uses its stored config unchanged")
         return _execute(admit(stored, resume_dir=run_dir), reporter or NullReporter(), stop,
-                        checkpoint, held)
+                        checkpoint, held, world)
 
 
 @dataclass
@@ -256,15 +274,20 @@ def prepare(admission: Admission) -> Prepared:
 
 
 def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | None,
-             started: float, reporter, held: contextlib.ExitStack) -> OpenRun:
+             started: float, reporter, held: contextlib.ExitStack, world: World = SINGLE) -> OpenRun:
     """Create the run directory (and lock it for the rest of the run), or reopen a killed run
-    at its last checkpoint (locked by `resume` before it read the checkpoint)."""
+    at its last checkpoint (locked by `resume` before it read the checkpoint). Under torchrun
+    only rank 0 creates, locks and writes; the others wait for it and keep a NullLog."""
     config = admission.config
     if resumed is None:
-        run_dir = create_run_dir(admission.run_dir)
-        held.enter_context(RunDirLock(run_dir))
+        run_dir = admission.run_dir
+        if world.is_main:
+            create_run_dir(run_dir)
+            held.enter_context(RunDirLock(run_dir))
+            elastic.mark_job(run_dir, world)
+        world.barrier()
         run_label = config.label or admission.run_dir.name
-        log = JsonlLog(run_dir / "trajectories.jsonl")
+        log = JsonlLog(run_dir / "trajectories.jsonl") if world.is_main else NullLog()
         state, resumes, earlier_seconds = LoopState(micro_batch_size=config.micro_batch_size), [], 0.0
     else:
         checkpoint, run_dir = resumed.state, admission.run_dir
@@ -275,11 +298,16 @@ def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | Non
                              f"started ({', '.join(changed)}); it cannot be resumed")
         restore_training_state(resumed, prepared.trainable, prepared.optimizer)
         # Lines written after the checkpoint belong to a step that never finished: drop them.
-        log = JsonlLog(run_dir / "trajectories.jsonl", existing=True)
-        log.truncate(checkpoint["trajectories_offset"])
-        remove_staging(run_dir)
-        remove_staging(run_dir / CHECKPOINTS)
-        state = LoopState.from_checkpoint(checkpoint, read_jsonl(log.path))
+        path = run_dir / "trajectories.jsonl"
+        if world.is_main:
+            log = JsonlLog(path, existing=True)
+            log.truncate(checkpoint["trajectories_offset"])
+            remove_staging(run_dir)
+            remove_staging(run_dir / CHECKPOINTS)
+        else:
+            log = NullLog(checkpoint["trajectories_offset"])
+        world.barrier()  # the others read the trajectories once rank 0 has cut them
+        state = LoopState.from_checkpoint(checkpoint, read_jsonl(path))
         run_label = checkpoint["run_label"]
         resumes = checkpoint["resumes"] + [{
             "from_step": state.next_step,
@@ -291,29 +319,31 @@ def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | Non
               "resumes": resumes}
     return OpenRun(run_dir, run_label, log, state, resumes,
                    CheckpointWriter(run_dir, header, prepared.trainable, prepared.optimizer,
-                                    started, earlier_seconds))
+                                    started, earlier_seconds, writes=world.is_main))
 
 
 def train_policy(admission: Admission, prepared: Prepared, opened: OpenRun, reporter,
-                 stop: StopRequest, trackers: Trackers) -> None:
+                 stop: StopRequest, trackers: Trackers, world: World = SINGLE) -> None:
     """The rollout / update loop; every finished step also goes to the trackers."""
     config = admission.config
     loop = Loop(prepared.policy, config, admission.verifier, admission.reward_set, admission.train,
                 prepared.train_prompts, opened.log, reporter, opened.run_label,
-                prepared.optimizer, stop, opened.checkpoints)
+                prepared.optimizer, stop, opened.checkpoints, world)
     train(loop, opened.state, on_step=trackers.log_step)
 
 
 def retest_stage(admission: Admission, prepared: Prepared, state: LoopState,
-                 candidate_version: str, reporter, stop: StopRequest) -> tuple[list[dict], int, bool]:
+                 candidate_version: str, reporter, stop: StopRequest,
+                 world: World = SINGLE) -> tuple[list[dict], int, bool]:
     """The re-test unless the loop stopped or a stop is pending: (records, verifier errors,
     skipped). A stop during the re-test skips it as a whole."""
     config = admission.config
-    if state.status == "ok" and stop.requested:
+    if state.status == "ok" and agree_stop(world, stop):
         state.interrupt(stop, "before the re-test")
     elif state.status != "interrupted":
         retested = retest_both(prepared.policy, admission.eval, prepared.eval_prompts,
-                               admission.verifier, config, candidate_version, reporter, stop)
+                               admission.verifier, config, candidate_version, reporter, stop,
+                               world)
         if retested is not None:
             return (*retested, False)
         state.interrupt(stop, "during the re-test")
@@ -322,7 +352,7 @@ def retest_stage(admission: Admission, prepared: Prepared, state: LoopState,
 
 def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds: dict,
               retested: tuple[list[dict], int, bool], adapter_sha: str,
-              candidate_version: str) -> dict:
+              candidate_version: str, distributed: dict) -> dict:
     """What only the run knows, as `assemble_evidence` takes it."""
     config, policy, state = admission.config, prepared.policy, opened.state
     # The artifact counts only if the file on disk still hashes to what we recorded.
@@ -351,6 +381,7 @@ def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds
         "retest_verifier_errors": retested[1],
         "retest_skipped": retested[2], "micro_batch_size": state.micro_batch_size,
         "oom_retries": state.oom_retries, "resources": peak_memory(policy.device),
+        "distributed": distributed,
         "artifact": {"path": "adapter", "sha256": adapter_sha if on_disk == adapter_sha else "",
                      "source_policy_version": policy.baseline_version,
                      "new_policy_version": candidate_version},
@@ -383,48 +414,67 @@ def write_run_files(run_dir: Path, evidence: dict, problems: list[dict],
 
 
 def _execute(admission: Admission, reporter, stop: StopRequest,
-             resumed: Checkpoint | None, held) -> dict:
+             resumed: Checkpoint | None, held, world: World = SINGLE) -> dict:
     config = admission.config
     started = time.perf_counter()
     prepared = prepare(admission)
-    if stop.requested:  # nothing written or changed yet: stopping here leaves no trace
+    if agree_stop(world, stop):  # nothing written or changed yet: stopping here leaves no trace
         raise RunInterrupted(stop.signal_name)
-    opened = open_run(admission, prepared, resumed, started, reporter, held)
+    opened = open_run(admission, prepared, resumed, started, reporter, held, world)
     # A resumed run opens new tracker runs (TensorBoard: a new events file in the same directory).
-    trackers = Trackers(config, opened.run_dir, opened.run_label)
+    trackers = Trackers(config, opened.run_dir, opened.run_label) if world.is_main else Trackers.none()
     for name, tracker in trackers.opened:
         reporter.log(f"{name}: {tracker.where}")
     decision = ""
     try:
-        evidence = _train_to_evidence(admission, prepared, opened, reporter, stop, trackers)
+        evidence = _train_to_evidence(admission, prepared, opened, reporter, stop, trackers, world)
         decision = evidence["decision"]["decision"]
     finally:
         trackers.close(decision)
     return evidence
 
 
+def same_adapter_everywhere(world: World, candidate_version: str) -> None:
+    """Every rank must end with the adapter rank 0 delivers: a rank that drifted (a collective
+    skipped, another library) would make the evidence describe a policy it did not train."""
+    versions = world.all_gather_object(candidate_version)
+    if len(set(versions)) > 1:
+        raise RuntimeError("the ranks' adapters differ after training (policy versions by rank: "
+                           + ", ".join(f"{rank}: {v}" for rank, v in enumerate(versions))
+                           + "); the run is not delivered")
+
+
+def distributed_facts(world: World, own_seconds: dict) -> dict:
+    """World size, backend and every rank's own stage seconds (gathered from all ranks)."""
+    return {**world.describe(), "per_rank_seconds": world.all_gather_object(own_seconds)}
+
+
 def _train_to_evidence(admission: Admission, prepared: Prepared, opened: OpenRun, reporter,
-                       stop: StopRequest, trackers: Trackers) -> dict:
+                       stop: StopRequest, trackers: Trackers, world: World = SINGLE) -> dict:
     config = admission.config
-    train_policy(admission, prepared, opened, reporter, stop, trackers)
-    adapter_sha = deliver_adapter(prepared.policy, opened.run_dir)
+    train_policy(admission, prepared, opened, reporter, stop, trackers, world)
     candidate_version = current_version(prepared.policy)
-    evaluation_started = time.perf_counter()
-    retested = retest_stage(admission, prepared, opened.state, candidate_version, reporter, stop)
-    seconds = {**opened.state.seconds, "load": prepared.load_seconds,
-               "evaluation": time.perf_counter() - evaluation_started}
+    same_adapter_everywhere(world, candidate_version)
+    adapter_sha = deliver_adapter(prepared.policy, opened.run_dir) if world.is_main else ""
+    clock = StageClock(world)
+    retested = retest_stage(admission, prepared, opened.state, candidate_version, reporter, stop,
+                            world)
+    seconds = {**opened.state.seconds, "load": prepared.load_seconds, "evaluation": clock.wall()}
+    distributed = distributed_facts(world, {**opened.state.own_seconds, "evaluation": clock.own()})
     seconds["total"] = opened.checkpoints.elapsed()
-    facts = run_facts(admission, prepared, opened, seconds, retested, adapter_sha,
-                      candidate_version)
-    state = opened.state
-    evidence = assemble_evidence(facts, config.to_dict(), state.steps, state.trajectories,
-                                 retested[0])
-    problems = tasks.problem_records(config.task, admission.train, admission.eval)
-    write_run_files(opened.run_dir, evidence, problems, retested[0], state.trajectories,
-                    reporter)
-    trackers.log_final(evidence)
-    evidence["run_dir"] = str(opened.run_dir)
-    return evidence
+    evidence = None
+    if world.is_main:
+        facts = run_facts(admission, prepared, opened, seconds, retested, adapter_sha,
+                          candidate_version, distributed)
+        state = opened.state
+        evidence = assemble_evidence(facts, config.to_dict(), state.steps, state.trajectories,
+                                     retested[0])
+        problems = tasks.problem_records(config.task, admission.train, admission.eval)
+        write_run_files(opened.run_dir, evidence, problems, retested[0], state.trajectories,
+                        reporter)
+        trackers.log_final(evidence)
+        evidence["run_dir"] = str(opened.run_dir)
+    return world.broadcast_object(evidence)
 
 
 def json_roundtrip(value):

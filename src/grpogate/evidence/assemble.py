@@ -217,6 +217,23 @@ def skipped_comparison(config: dict) -> dict:
             "verifier_errors": 0}
 
 
+RANK_STAGES = ("rollout", "verification", "update", "evaluation")
+
+
+def distributed_section(recorded: dict) -> dict:
+    """World size, backend, every rank's own stage seconds (outside collectives) and, per
+    stage, the slowest rank: the one the others waited for. The evidence's stage timings are
+    rank 0's wall clock over each stage, waits included: the job's time, which the effective
+    throughput divides by."""
+    per_rank = recorded["per_rank_seconds"]
+    slowest = {}
+    for stage in RANK_STAGES:
+        seconds = [float(rank.get(stage, 0.0)) for rank in per_rank]
+        worst = max(range(len(seconds)), key=seconds.__getitem__) if seconds else 0
+        slowest[stage] = {"rank": worst, "seconds": seconds[worst] if seconds else 0.0}
+    return {**recorded, "slowest_rank": slowest}
+
+
 def run_status(loop_status: str, rollout: dict, update: dict) -> str:
     """A finished loop with no valid group or no real optimizer step did not update the policy."""
     if loop_status == "ok" and (rollout["valid_group_count"] == 0 or update["update_count"] == 0):
@@ -229,7 +246,8 @@ def assemble_evidence(facts: dict, config: dict, steps: list[dict], trajectories
     """The evidence document. `facts` holds: run_label, created, loop_status, failure,
     interruption, resumes, environment, inputs, contract, seconds (rollout, verification,
     update, evaluation, checkpoint, load, total), verifier_errors, reward_errors, retest_verifier_errors,
-    retest_skipped, micro_batch_size, oom_retries, resources, artifact."""
+    retest_skipped, micro_batch_size, oom_retries, resources, artifact and (optional)
+    distributed: world_size, backend, restart_count, per_rank_seconds."""
     seconds = facts["seconds"]
     rollout = rollout_section(trajectories, steps, seconds, config, facts["verifier_errors"],
                               facts.get("reward_errors", 0))
@@ -259,6 +277,8 @@ def assemble_evidence(facts: dict, config: dict, steps: list[dict], trajectories
         "artifact": facts["artifact"],
         "steps": steps,
     }
+    if facts.get("distributed") is not None:  # absent from runs recorded before torchrun
+        evidence["distributed"] = distributed_section(facts["distributed"])
     candidate = decisions.evaluate_grpo_candidate(evidence, config["gates"])
     for key in ("effective_trajectory_count", "effective_trajectories_per_second",
                 "valid_group_ratio"):
@@ -294,4 +314,6 @@ def recorded_facts(evidence: dict) -> dict:
         "retest_skipped": comparison.get("skipped") is True,
         "micro_batch_size": update["micro_batch_size"], "oom_retries": update["oom_retries"],
         "resources": evidence["resources"], "artifact": evidence["artifact"],
+        "distributed": ({key: value for key, value in evidence["distributed"].items()
+                         if key != "slowest_rank"} if "distributed" in evidence else None),
     }

@@ -183,6 +183,13 @@ class Trackers:
             raise
         self.final_step = 0
 
+    @classmethod
+    def none(cls) -> "Trackers":
+        """No tracker at all: the ranks other than 0 under torchrun (one writer)."""
+        trackers = cls.__new__(cls)
+        trackers.opened, trackers.final_step = [], 0
+        return trackers
+
     def log_step(self, record: dict) -> None:
         self.final_step = record["step"] + 1  # the terminal's numbering, 1..N
         for _, tracker in self.opened:

@@ -2,7 +2,10 @@
 
 Training trajectories only prove that an update happened; quality comes from here. Both policies
 sample with the same seed over the same prompts in the same batch layout, so the comparison is
-paired prompt by prompt. This module yields per-completion records; `metrics` reduces them.
+paired prompt by prompt. Each prompt's seed follows its index in the eval set, so under
+torchrun each rank re-tests its shard of the prompts and all ranks gather the records in the
+eval set's order before the paired comparison: the same records as one process.
+This module yields per-completion records; `metrics` reduces them.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import contextlib
 
 from grpogate.config import RunConfig
+from grpogate.distributed import SINGLE, World, agree_stop, shard
 from grpogate.evidence.assemble import seeds
 from grpogate.inputs.policy import Policy, sampling_weights
 from grpogate.inputs.tasks import Problem
@@ -21,11 +25,12 @@ from grpogate.sampling.rollout import (SamplingSettings, generate_completions, s
 def evaluate_policy(model, tokenizer, problems: list[Problem], prompt_token_ids: list[list[int]],
                     *, policy_name: str, policy_version: str, verifier, group_size: int,
                     settings: SamplingSettings, seed: int, mode=contextlib.nullcontext,
-                    advance=None) -> list[dict]:
-    """Sample `group_size` fresh completions per eval prompt under `mode` and score them."""
+                    advance=None, prompt_indexes: list[int] | None = None) -> list[dict]:
+    """Sample `group_size` fresh completions per eval prompt under `mode` and score them;
+    `prompt_indexes`: the prompts' indexes in the eval set (their seeds; default 0, 1, ...)."""
     with mode():
         completions = generate_completions(model, tokenizer, prompt_token_ids, group_size,
-                                           settings, seed, advance)
+                                           settings, seed, advance, prompt_indexes=prompt_indexes)
     rewards = score_completions(completions, problems, verifier)
     records = []
     for completion, reward in zip(completions, rewards):
@@ -48,21 +53,37 @@ def evaluate_policy(model, tokenizer, problems: list[Problem], prompt_token_ids:
 
 def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]], verifier,
                 config: RunConfig, candidate_version: str, reporter,
-                stop: StopRequest) -> tuple[list[dict], int] | None:
+                stop: StopRequest, world: World = SINGLE) -> tuple[list[dict], int] | None:
     """Fresh completions of the baseline, then the candidate, on the encoded eval prompts with
-    the same seed; returns the records and the verifier errors. None when a stop was
-    requested before either policy's pass (a safe point)."""
+    the same seed; returns the records and the verifier errors (of every rank). None when a
+    stop was requested (on any rank) before either policy's pass (a safe point)."""
     records: list[dict] = []
     errors_before = verifier.error_count
+    positions = shard(len(prompts), world)
     for name, version, mode in (
             ("baseline", policy.baseline_version, lambda: sampling_weights(policy, baseline=True)),
             ("candidate", candidate_version, lambda: sampling_weights(policy))):
-        if stop.requested:
+        if agree_stop(world, stop):
             return None
         with reporter.task(f"re-test {name}", len(prompts) * config.eval_group_size) as advance:
-            records += evaluate_policy(
-                policy.model, policy.tokenizer, problems, prompts, policy_name=name,
+            mine = evaluate_policy(
+                policy.model, policy.tokenizer, [problems[k] for k in positions],
+                [prompts[k] for k in positions], policy_name=name,
                 policy_version=version, verifier=verifier, group_size=config.eval_group_size,
                 settings=sampling_settings(config), seed=seeds(config.to_dict())["eval"],
-                mode=mode, advance=advance)
-    return records, verifier.error_count - errors_before
+                mode=mode, advance=advance, prompt_indexes=positions)
+            records += _gathered(world, mine, positions, config.eval_group_size)
+            advance(len(prompts) * config.eval_group_size - len(mine))
+    errors = world.all_gather_object(verifier.error_count - errors_before)
+    return records, sum(errors)
+
+
+def _gathered(world: World, mine: list[dict], positions: list[int], group_size: int) -> list[dict]:
+    """Every rank's records in eval-set order (G consecutive records per prompt)."""
+    if not world.distributed:
+        return mine
+    groups = [(position, mine[j * group_size:(j + 1) * group_size])
+              for j, position in enumerate(positions)]
+    parts = world.all_gather_object(groups)
+    return [r for _, members in sorted((g for part in parts for g in part), key=lambda g: g[0])
+            for r in members]

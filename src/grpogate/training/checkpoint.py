@@ -117,11 +117,14 @@ class CheckpointWriter:
     optimizer: torch.optim.Optimizer
     started: float  # time.perf_counter() when this process started the run
     earlier_seconds: float = 0.0  # what earlier processes of a resumed run spent
+    writes: bool = True  # False on ranks other than 0: one writer per run directory
 
     def elapsed(self) -> float:
         return self.earlier_seconds + time.perf_counter() - self.started
 
-    def save(self, loop_state: dict) -> Path:
+    def save(self, loop_state: dict) -> Path | None:
+        if not self.writes:
+            return None
         return save_checkpoint(self.run_dir, {**self.header, "elapsed_seconds": self.elapsed(),
                                               **loop_state}, self.trainable, self.optimizer)
 

@@ -11,6 +11,9 @@ prompts, not steps: it moves on with every prompt drawn, wraps into a new epoch 
 the train set, and never hands one step the same prompt twice; a checkpoint keeps it.
 Safe points for a requested stop (SIGINT / SIGTERM) are the start of a step and the boundary
 between its rollout and its update; a step stopped there is dropped from the trajectories file.
+Under torchrun each rank samples and scores its shard of a round's prompts and every rank
+gathers the whole round, so all ranks hold the same records and take the same decisions;
+stops are agreed at the safe points; only rank 0 writes (its log and checkpoints).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from rich.markup import escape
 
 from grpogate.config import RunConfig
+from grpogate.distributed import SINGLE, StageClock, World, agree_stop, shard
 from grpogate.evidence import decisions
 from grpogate.evidence.metrics import rollout_summary
 from grpogate.evidence.assemble import rollout_seed, step_summary
@@ -60,6 +64,10 @@ class LoopState:
     contract: dict = field(default_factory=lambda: {"admitted": True, "failed_checks": []})
     failure: dict | None = None  # {"step", "message"} when an update aborted the run
     interruption: dict | None = None  # {"signal", "safe_point", "completed_steps"}
+    # This rank's own seconds per stage (outside collectives), this process only: the evidence
+    # compares the ranks with them.
+    own_seconds: dict = field(default_factory=lambda: dict.fromkeys(
+        ("rollout", "verification", "update"), 0.0))
 
     CHECKPOINTED = ("micro_batch_size", "next_step", "next_prompt", "steps", "seconds",
                     "trajectories_offset", "verifier_errors", "reward_errors", "oom_retries")
@@ -93,6 +101,7 @@ class Loop:
     optimizer: object
     stop: StopRequest
     checkpoints: CheckpointWriter
+    world: World = SINGLE
 
 
 @dataclass
@@ -117,7 +126,7 @@ def train(loop: Loop, state: LoopState, on_step=None) -> None:
     checkpoints after every finished step, then calls `on_step(record)` (if given)."""
     config = loop.config
     for step in range(state.next_step, config.steps):
-        if loop.stop.requested:
+        if agree_stop(loop.world, loop.stop):
             state.interrupt(loop.stop, f"before step {step}")
             return
         rollout = _rollout(loop, state, step)
@@ -158,29 +167,25 @@ def _rollout(loop: Loop, state: LoopState, step: int) -> Rollout:
 
 def _generation_round(loop: Loop, state: LoopState, step: int, generation_round: int,
                       indexes: list[int], rollout: Rollout) -> int:
-    """Generate and score G completions for each of the train prompts `indexes`; append them to
-    `rollout` and return how many of their groups are valid."""
-    config, policy = loop.config, loop.policy
+    """Generate and score G completions for each of the train prompts `indexes` (this rank its
+    shard, then all ranks gather all); append them to `rollout` and return how many of their
+    groups are valid."""
+    config = loop.config
     problems = [loop.problems[i] for i in indexes]
     seed = rollout_seed(config.seed, step, generation_round)
-    started = time.perf_counter()
+    clock = StageClock(loop.world)
     label = f"step {step + 1}/{config.steps} rollout" + (
         f" (refill {generation_round})" if generation_round else "")
-    with loop.reporter.task(label, len(problems) * config.group_size) as advance, \
-            sampling_weights(policy):
-        stepper = make_stepper(policy.model)
-        completions = generate_completions(policy.model, policy.tokenizer,
-                                           [loop.prompts[i] for i in indexes], config.group_size,
-                                           sampling_settings(config), seed, advance, stepper,
-                                           prompt_indexes=indexes)
-    generation_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    errors_before = loop.verifier.error_count, loop.reward_set.error_count
-    correctness = score_completions(completions, problems, loop.verifier)
-    components = score_rewards(completions, problems, loop.reward_set, correctness)
-    state.verifier_errors += loop.verifier.error_count - errors_before[0]
-    state.reward_errors += loop.reward_set.error_count - errors_before[1]
-    verification_seconds = time.perf_counter() - started
+    with loop.reporter.task(label, len(problems) * config.group_size) as advance:
+        mine, decode_path, own = _sample_and_score(loop, state, indexes, seed, advance)
+        completions, components, errors = _gather_round(loop.world, mine)
+        advance(len(completions) - sum(len(members) for _, members, _ in mine["groups"]))
+    state.verifier_errors += errors[0]
+    state.reward_errors += errors[1]
+    generation_seconds = clock.wall() - own["verification"]
+    verification_seconds = own["verification"]
+    state.own_seconds["rollout"] += own["generation"]
+    state.own_seconds["verification"] += own["verification"]
     records = trajectory_records(completions, components, problems, run_id=loop.run_label,
                                  step=step, policy_version=rollout.version,
                                  verifier_version=loop.verifier.version,
@@ -191,13 +196,55 @@ def _generation_round(loop: Loop, state: LoopState, step: int, generation_round:
     rollout.components += [[values[name] for name in loop.reward_set.weights]
                            for values in components]
     rollout.records += records
-    rollout.decode_path = stepper.name
+    rollout.decode_path = decode_path
     rollout.rollout_seconds += generation_seconds
     rollout.verification_seconds += verification_seconds
     rollout.rounds.append({"round": generation_round, "seed": seed, "prompts": len(indexes),
                            "valid_groups": valid, "generation_seconds": generation_seconds,
                            "verification_seconds": verification_seconds})
     return valid
+
+
+def _sample_and_score(loop: Loop, state: LoopState, indexes: list[int], seed: int, advance):
+    """This rank's shard of the round: ([(position, its G completions, their reward
+    components)], decode path, own seconds). Completions' prompt_index is the position in
+    `indexes`, as if one process had sampled them all."""
+    config, policy = loop.config, loop.policy
+    positions = shard(len(indexes), loop.world)
+    mine = [indexes[k] for k in positions]
+    started = time.perf_counter()
+    with sampling_weights(policy):
+        stepper = make_stepper(policy.model)
+        completions = generate_completions(policy.model, policy.tokenizer,
+                                           [loop.prompts[i] for i in mine], config.group_size,
+                                           sampling_settings(config), seed, advance, stepper,
+                                           prompt_indexes=mine)
+    generation = time.perf_counter() - started
+    started = time.perf_counter()
+    for completion in completions:
+        completion.prompt_index = positions[completion.prompt_index]
+    problems = [loop.problems[i] for i in indexes]
+    errors_before = loop.verifier.error_count, loop.reward_set.error_count
+    correctness = score_completions(completions, problems, loop.verifier)
+    components = score_rewards(completions, problems, loop.reward_set, correctness)
+    errors = (loop.verifier.error_count - errors_before[0],
+              loop.reward_set.error_count - errors_before[1])
+    groups = [(position, completions[j * config.group_size:(j + 1) * config.group_size],
+               components[j * config.group_size:(j + 1) * config.group_size])
+              for j, position in enumerate(positions)]
+    return ({"groups": groups, "errors": errors}, stepper.name,
+            {"generation": generation, "verification": time.perf_counter() - started})
+
+
+def _gather_round(world: World, mine: dict) -> tuple[list[Completion], list[dict], tuple]:
+    """Every rank's groups in prompt order, and the verifier / reward errors of all ranks: the
+    round as one process would have produced it."""
+    parts = world.all_gather_object(mine) if world.distributed else [mine]
+    groups = sorted((group for part in parts for group in part["groups"]), key=lambda g: g[0])
+    completions = [c for _, members, _ in groups for c in members]
+    components = [values for _, _, members in groups for values in members]
+    errors = tuple(sum(part["errors"][k] for part in parts) for k in (0, 1))
+    return completions, components, errors
 
 
 def _admit_rollout(loop: Loop, state: LoopState, step: int, rollout: Rollout) -> bool:
@@ -210,7 +257,7 @@ def _admit_rollout(loop: Loop, state: LoopState, step: int, rollout: Rollout) ->
                           "step": step}
         state.status = "contract_failed"
         return False
-    if loop.stop.requested:
+    if agree_stop(loop.world, loop.stop):
         # A safe point between stages. The half-finished step is dropped exactly as a resume
         # would drop it, so the evidence never shows groups that did not reach the update.
         loop.log.truncate(state.trajectories_offset)
@@ -243,24 +290,27 @@ def _update(loop: Loop, state: LoopState, step: int, rollout: Rollout):
         loop.reporter.log(f"[yellow]{escape(error)}: retrying the update once at "
                           f"micro_batch_size {micro_batch_size}")
 
-    started = time.perf_counter()
+    clock = StageClock(loop.world)
     try:
         with loop.reporter.task(f"step {step + 1}/{config.steps} update",
                                 len(batch) * config.num_iterations) as advance:
             record, settings = update_with_retry(
                 policy.model, loop.optimizer, batch, settings, policy.tokenizer.pad_token_id,
                 lambda: reference_mode(policy), loop.checkpoints.trainable.values(), advance,
-                on_retry)
+                on_retry, world=loop.world)
     except (NonFiniteUpdate, UpdateFailed) as error:
-        # update_with_retry rolled the adapter back: what gets saved is the last good one.
-        state.seconds["update"] += time.perf_counter() - started
+        # update_with_retry rolled the adapter back (on every rank, which agreed on the
+        # failure): what gets saved is the last good one.
+        state.seconds["update"] += clock.wall()
+        state.own_seconds["update"] += clock.own()
         loop.reporter.log(f"[red]{escape(str(error))}: stopping; the last good adapter is kept")
         state.status = ("non_finite_update" if isinstance(error, NonFiniteUpdate)
                         else "update_failed")
         state.failure = {"step": step, "message": str(error)}
         return None
     state.micro_batch_size = settings.micro_batch_size
-    return record, time.perf_counter() - started
+    state.own_seconds["update"] += clock.own()
+    return record, clock.wall()
 
 
 def _finish_step(loop: Loop, state: LoopState, step: int, rollout: Rollout, update_record,

@@ -23,6 +23,12 @@ Where this departs from the DeepSeekMath GRPO objective (Shao et al. 2024, eq. 3
   count in the loss denominator (sequences or tokens); their advantages are computed with them.
 - Any failure rolls the adapter and optimizer back to before the rollout's update; an
   out-of-memory error is retried once at half the micro-batch.
+- Several processes (torchrun): every rank holds the whole step's batch; the one-process
+  micro-batch plan is dealt round-robin over the ranks, each micro-batch divided by the
+  denominator it has in one process (the whole step's tokens or sequences, or bnpo's
+  micro-batch tokens x the step's micro-batch count), and the gradients are summed over ranks
+  before clipping: the optimizer step is the one-process step up to float summation order. A
+  NaN or out-of-memory on any rank is agreed on by all before any rolls back.
 Shapes: N sequences per micro-batch, T completion tokens (right-padded), B groups of G.
 """
 
@@ -36,7 +42,8 @@ from dataclasses import dataclass, field
 import torch
 
 from grpogate.config import RunConfig
-from grpogate.training import objectives
+from grpogate.distributed import SINGLE, World
+from grpogate.training import data_parallel, objectives
 from grpogate.training.advantages import UpdateBatch
 from grpogate.training.batching import micro_batches, pack_rows, padded_rows, rows_per_prompt, step_plan
 from grpogate.training.logprobs import PackedGroups, shared_prompt_logprobs
@@ -142,20 +149,49 @@ class _Step:
     device: torch.device
     old_logp: dict[int, torch.Tensor]  # rollout-policy log-probs by row; empty: detached current
     iteration: int = 0  # which pass over the rollout
+    world: World = SINGLE  # which micro-batches this process runs (`_dealt`)
 
     def logprobs(self, packed: PackedGroups, micro: list[int], entropy: list | None = None):
         return shared_prompt_logprobs(self.model, packed, rows_per_prompt(self.batch, micro),
                                       self.settings.temperature, entropy=entropy)
 
 
-def rollout_logprobs(step: _Step, rows: list[int]) -> dict[int, torch.Tensor]:
-    """The rollout policy's log-probs of `rows`, fixed before the first optimizer step."""
+def _run_agreed(step: _Step, optimizer, work) -> None:
+    """`work()` and the ranks' agreement on it: when any rank hit a NaN or ran out of memory,
+    every rank zeroes its gradients and raises, so all roll back together. One process: the
+    error propagates as it always did."""
+    failure, first = data_parallel.run_agreed(step.world, work, _failure_kind)
+    if first is None:
+        return
+    optimizer.zero_grad(set_to_none=True)
+    if failure is not None:
+        raise failure
+    rank, kind, message = first
+    if kind == "non_finite":
+        raise NonFiniteUpdate(f"rank {rank}: {message}")
+    raise RuntimeError(f"out of memory on rank {rank}: {message}")  # is_out_of_memory matches
+
+
+def _failure_kind(error: BaseException) -> str | None:
+    if isinstance(error, NonFiniteUpdate):
+        return "non_finite"
+    return "out_of_memory" if is_out_of_memory(error) else None
+
+
+def rollout_logprobs(step: _Step, rows: list[int], optimizer) -> dict[int, torch.Tensor]:
+    """The rollout policy's log-probs of `rows`, fixed before the first optimizer step; each
+    rank computes its dealt micro-batches, then every rank has every row's."""
     old_logp = {}
-    with torch.no_grad():
-        for micro in micro_batches(step.batch, rows, step.settings.micro_batch_size):
-            values = step.logprobs(pack_rows(step.batch, micro, step.pad_id, step.device), micro)
-            old_logp.update(zip(micro, values))
-    return old_logp
+
+    def work() -> None:
+        with torch.no_grad():
+            micros = micro_batches(step.batch, rows, step.settings.micro_batch_size)
+            for micro in data_parallel.deal(step.world, micros):
+                packed = pack_rows(step.batch, micro, step.pad_id, step.device)
+                old_logp.update(zip(micro, step.logprobs(packed, micro)))
+
+    _run_agreed(step, optimizer, work)
+    return data_parallel.gather_rows(step.world, old_logp)
 
 
 def _old_logprobs(step: _Step, logp: torch.Tensor, micro: list[int]) -> torch.Tensor:
@@ -266,15 +302,22 @@ def _optimizer_step(step: _Step, optimizer, parameters, rows: list[int], record:
                     advance=None) -> None:
     optimizer.zero_grad(set_to_none=True)
     micros = micro_batches(step.batch, rows, step.settings.micro_batch_size)
-    step_loss = 0.0
-    for micro, denominator in zip(micros, _denominators(step, rows, micros)):
-        try:
-            step_loss += _backward_micro_batch(step, micro, denominator, record)
-        except NonFiniteUpdate:
-            optimizer.zero_grad(set_to_none=True)
-            raise
-        if advance is not None:
-            advance(len(micro))
+    mine = data_parallel.deal(step.world, list(zip(micros, _denominators(step, rows, micros))))
+    step_loss = [0.0]
+
+    def work() -> None:
+        for micro, denominator in mine:
+            step_loss[0] += _backward_micro_batch(step, micro, denominator, record)
+            if advance is not None:
+                advance(len(micro))
+
+    _run_agreed(step, optimizer, work)
+    if step.world.distributed:
+        step.world.all_reduce_gradients(parameters)
+        step_loss[0] = step.world.sum_floats(step_loss)[0]
+        if advance is not None:  # the other ranks' sequences, for the progress bar
+            advance(len(rows) - sum(len(micro) for micro, _ in mine))
+    step_loss = step_loss[0]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, step.settings.max_grad_norm))
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
@@ -286,7 +329,7 @@ def _optimizer_step(step: _Step, optimizer, parameters, rows: list[int], record:
 
 
 def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, pad_id: int,
-                reference_mode, parameters, advance=None) -> UpdateRecord:
+                reference_mode, parameters, advance=None, world: World = SINGLE) -> UpdateRecord:
     """Run the optimizer steps of one rollout's valid groups; returns the update record.
 
     `num_iterations` passes over the rollout, each split into `step_plan`'s optimizer steps.
@@ -299,7 +342,7 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
     parameters = list(parameters)
     plan = step_plan(batch, settings.groups_per_update)
     step = _Step(model, batch, settings, pad_id, reference_mode,
-                 next(model.parameters()).device, {})
+                 next(model.parameters()).device, {}, world=world)
     if batch.old_logprobs is not None:
         # The sampler drew from a truncated distribution (top_k / top_p / min_p): that, not
         # the trainer's full softmax, is the behaviour policy the ratio divides by.
@@ -307,7 +350,7 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
                          for i, values in enumerate(batch.old_logprobs)}
     elif len(plan) * settings.num_iterations > 1:
         # later steps need the rollout policy's log-probs, fixed before step one
-        step.old_logp = rollout_logprobs(step, [i for rows in plan for i in rows])
+        step.old_logp = rollout_logprobs(step, [i for rows in plan for i in rows], optimizer)
     for iteration in range(settings.num_iterations):
         step.iteration = iteration
         record.pass_tokens.append(0)
@@ -315,7 +358,15 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
         record.pass_max_abs_log_ratio.append(0.0)
         for rows in plan:
             _optimizer_step(step, optimizer, parameters, rows, record, advance)
-    return record
+    return merge_records(world, record)
+
+
+def merge_records(world: World, record: UpdateRecord) -> UpdateRecord:
+    """The whole step's record from every rank's part (losses and gradient norms were reduced
+    before each optimizer step)."""
+    return UpdateRecord(**data_parallel.merge_counts(
+        world, dataclasses.asdict(record), maxima=("mismatch_abs_max", "pass_max_abs_log_ratio"),
+        same=("update_count", "losses", "grad_norms")))
 
 
 # --- all-or-nothing updates: rollback, and one retry after an out-of-memory ---------------------
@@ -360,7 +411,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def update_with_retry(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, pad_id: int,
                       reference_mode, parameters, advance=None,
-                      on_retry=None) -> tuple[UpdateRecord, UpdateSettings]:
+                      on_retry=None, world: World = SINGLE) -> tuple[UpdateRecord, UpdateSettings]:
     """`grpo_update`, all or nothing: returns (record, the settings that succeeded).
 
     Any failure restores the parameters and optimizer state of before the call, so a step is
@@ -373,7 +424,7 @@ def update_with_retry(model, optimizer, batch: UpdateBatch, settings: UpdateSett
     snapshot = TrainingSnapshot.take(parameters, optimizer)
     try:
         return grpo_update(model, optimizer, batch, settings, pad_id, reference_mode, parameters,
-                           advance), settings
+                           advance, world), settings
     except Exception as error:
         snapshot.restore(parameters, optimizer)
         if not is_out_of_memory(error):
@@ -387,7 +438,7 @@ def update_with_retry(model, optimizer, batch: UpdateBatch, settings: UpdateSett
         on_retry(first, halved.micro_batch_size)
     try:
         return grpo_update(model, optimizer, batch, halved, pad_id, reference_mode, parameters,
-                           advance), halved
+                           advance, world), halved
     except Exception as error:
         snapshot.restore(parameters, optimizer)
         if is_out_of_memory(error):
