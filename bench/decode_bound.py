@@ -37,14 +37,15 @@ class TimedStepper:
         self.log.append((kind, rows, time.perf_counter() - started))
         return out
 
-    def prefill(self, prompts, pad_id, group_size, max_new_tokens):
+    def prefill(self, prompts, pad_id, group_size, max_new_tokens, shared=None):
         # The products a prefill runs: the shared prefix at batch 1, each prompt's padded suffix.
         from grpogate.sampling.decoding import WIDTH_BUCKET, round_up, shared_prefix_length
 
-        shared = shared_prefix_length(prompts)
+        shared = (shared_prefix_length(prompts) if shared is None
+                  else min(shared, shared_prefix_length(prompts)))
         width = round_up(max(len(p) - shared for p in prompts), WIDTH_BUCKET)
         return self._timed("prefill", (shared, len(prompts) * width), self.stepper.prefill,
-                           prompts, pad_id, group_size, max_new_tokens)
+                           prompts, pad_id, group_size, max_new_tokens, shared)
 
     def step(self, token_ids):
         return self._timed("step", len(token_ids), self.stepper.step, token_ids)

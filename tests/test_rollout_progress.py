@@ -21,7 +21,7 @@ class ScriptedStepper:
             logits[position, EOS if row == self.step_index else 0] = 100.0
         return logits
 
-    def prefill(self, prompts, pad_id, group_size, max_new_tokens):
+    def prefill(self, prompts, pad_id, group_size, max_new_tokens, shared=None):
         self.rows = list(range(len(prompts) * group_size))
         return self._logits()
 

@@ -10,6 +10,7 @@ import torch
 from grpogate.training import objectives
 from grpogate.errors import InputError
 from grpogate.inputs.policy import load_policy, reference_mode, trainable_parameters
+from grpogate.sampling.decoding import shared_prefix_length
 from grpogate.sampling.rollout import (
     SamplingSettings,
     encode_prompts,
@@ -130,21 +131,28 @@ def test_a_prompt_samples_the_same_alone_or_inside_a_larger_batch(policy, prompt
     alone vs. batched with the first (other prompt length, so other padding), with EOS biased
     so rows leave the batch at different steps in the two layouts."""
     hook = eos_biased(policy, bias=8.0)
+    # The second prompt extends the first: alone, its own prefix would be computed once (32
+    # tokens), batched with the first only 16; callers fix it over the whole prompt set.
+    prompts = [prompts[0], prompts[0] + [1011, 29, 905] * 6]
+    shared = shared_prefix_length(prompts)
+    assert shared < shared_prefix_length(prompts[1:])
     try:
         batched = generate_completions(policy.model, policy.tokenizer, prompts, G,
-                                       settings(batch_size=2 * G), seed=11)
+                                       settings(batch_size=2 * G), seed=11, shared_prefix=shared)
         alone = generate_completions(policy.model, policy.tokenizer, prompts[1:], G,
-                                     settings(batch_size=G), seed=11, prompt_indexes=[1])
+                                     settings(batch_size=G), seed=11, prompt_indexes=[1],
+                                     shared_prefix=shared)
         other_index = generate_completions(policy.model, policy.tokenizer, prompts[1:], G,
-                                           settings(batch_size=G), seed=11, prompt_indexes=[0])
+                                           settings(batch_size=G), seed=11, prompt_indexes=[0],
+                                           shared_prefix=shared)
     finally:
         hook.remove()
     second = [c for c in batched if c.prompt_index == 1]
     assert len(prompts[0]) != len(prompts[1])
     assert len({len(c.completion_token_ids) for c in batched}) > 1  # rows finished unevenly
     assert [c.completion_token_ids for c in alone] == [c.completion_token_ids for c in second]
-    for lone, inside in zip(alone, second):
-        assert lone.sampler_logprobs == pytest.approx(inside.sampler_logprobs, abs=1e-5)
+    # Bit for bit, the sampler's log-probs included (float32, the shared prefix fixed).
+    assert [c.sampler_logprobs for c in alone] == [c.sampler_logprobs for c in second]
     # The seed follows the prompt's index, not its position in the call.
     assert [c.completion_token_ids for c in other_index] != [c.completion_token_ids for c in alone]
 

@@ -187,9 +187,26 @@ def init_world() -> World:
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, **_attempt_store(restart_count, world_size))
     return World(dist.get_rank(), dist.get_world_size(), local_rank, backend, restart_count,
                  job_id)
+
+
+def _attempt_store(restart_count: int, world_size: int) -> dict:
+    """The process group's store, keyed by the attempt under torchrun's agent store.
+
+    torchrun shares its rendezvous TCPStore with the workers (MASTER_PORT) over every restart
+    of the group, and env:// rendezvous adds no per-attempt prefix: a restarted group could
+    read the dead group's gloo addresses (seen here: "Connection refused" to the killed
+    worker's port). A prefix per attempt keeps each group to its own keys."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    from datetime import timedelta
+
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           world_size, is_master=False, timeout=timedelta(minutes=10))
+    return {"store": dist.PrefixStore(f"grpogate/attempt_{restart_count}", client),
+            "rank": int(os.environ["RANK"]), "world_size": world_size}
 
 
 def close_world(world: World) -> None:

@@ -31,6 +31,7 @@ from grpogate.inputs.policy import (TRAINABLE, current_version, load_adapter_sta
 from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import StopRequest
 from grpogate.pipeline import NullReporter
+from grpogate.sampling.decoding import shared_prefix_length
 from grpogate.sampling.retest import retest_both
 from grpogate.sampling.rollout import encode_prompts
 
@@ -39,8 +40,8 @@ ENVIRONMENT_KEYS = ("python", "platform", "torch", "transformers", "peft", "safe
 
 
 def replay_prompt_count(config, asked: int) -> int:
-    """`asked` rounded up to whole decode batches: a batch's draws depend on all its rows, so
-    only whole batches of the run's layout can be reproduced."""
+    """`asked` rounded up to whole decode batches of the run's layout. Draws are per prompt,
+    but reduced-precision kernels (bf16) may still round a row differently in another batch."""
     prompts_per_batch = max(1, config.generation_batch_size // config.eval_group_size)
     return min(config.eval_prompts, math.ceil(asked / prompts_per_batch) * prompts_per_batch)
 
@@ -69,12 +70,14 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
     policy = _delivered_policy(run_dir, evidence, config)
     _, _, eval_set, _ = reload_problem_sets(evidence["config"], evidence["inputs"])
     problems = eval_set[:count]
-    encoded = encode_prompts(policy.tokenizer, problems, config.resolved_system_prompt(),
+    # All eval prompts are encoded: the decoder's shared prefix is fixed over the whole set, as
+    # in the run (a prefix of only the first prompts could be longer and round differently).
+    encoded = encode_prompts(policy.tokenizer, eval_set, config.resolved_system_prompt(),
                              config.max_prompt_tokens)
     verifier = get_verifier(evidence["inputs"]["verifier"]["name"])
-    replayed, _ = retest_both(policy, problems, encoded, verifier, config,
+    replayed, _ = retest_both(policy, problems, encoded[:count], verifier, config,
                               evidence["artifact"]["new_policy_version"], NullReporter(),
-                              StopRequest())
+                              StopRequest(), shared_prefix=shared_prefix_length(encoded))
     stored = {(r.get("policy"), r.get("prompt_id"), r.get("sample_index")): (number, r)
               for number, r in enumerate(read_jsonl(run_dir / "eval_completions.jsonl"), 1)}
     mismatches, equal = [], 0

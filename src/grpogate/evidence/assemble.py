@@ -231,7 +231,7 @@ def distributed_section(recorded: dict) -> dict:
         seconds = [float(rank.get(stage, 0.0)) for rank in per_rank]
         worst = max(range(len(seconds)), key=seconds.__getitem__) if seconds else 0
         slowest[stage] = {"rank": worst, "seconds": seconds[worst] if seconds else 0.0}
-    return {**recorded, "slowest_rank": slowest}
+    return {**recorded, "slowest_rank_seconds": slowest}
 
 
 def run_status(loop_status: str, rollout: dict, update: dict) -> str:
@@ -315,5 +315,5 @@ def recorded_facts(evidence: dict) -> dict:
         "micro_batch_size": update["micro_batch_size"], "oom_retries": update["oom_retries"],
         "resources": evidence["resources"], "artifact": evidence["artifact"],
         "distributed": ({key: value for key, value in evidence["distributed"].items()
-                         if key != "slowest_rank"} if "distributed" in evidence else None),
+                         if key != "slowest_rank_seconds"} if "distributed" in evidence else None),
     }

@@ -74,7 +74,7 @@ class ModelStepper:
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], pad_id: int, group_size: int,
-                max_new_tokens: int) -> torch.Tensor:
+                max_new_tokens: int, shared: int | None = None) -> torch.Tensor:
         from transformers import DynamicCache
 
         input_ids, attention_mask = left_pad(prompts, pad_id, self.model.device)
@@ -320,7 +320,7 @@ class LeanStepper:
 
     Cache columns: [shared prefix | each prompt's suffix, left-padded | completion]. The prefix
     the prompts have in common (system prompt and chat template, typically) is computed once at
-    batch 1; the suffixes at batch n attend to it (measured on the bench rollout: prefill 0.22
+    batch 1; each prompt's suffix, forwarded alone, attends to it (measured on the bench rollout: prefill 0.22
     -> 0.15 s). State per layer: keys transposed [N, Hkv, d, C] and values [N, Hkv, C, d]; an
     additive mask [N, C] (padding and not-yet-written columns), each row's position, the
     filled columns. Decoding attends over the whole buffer, masked: bfloat16 bmm on the CPU
@@ -335,14 +335,19 @@ class LeanStepper:
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], pad_id: int, group_size: int,
-                max_new_tokens: int) -> torch.Tensor:
-        """n prompts' token lists -> next-token logits [n G, V], prompt-major."""
+                max_new_tokens: int, shared: int | None = None) -> torch.Tensor:
+        """n prompts' token lists -> next-token logits [n G, V], prompt-major.
+
+        `shared`: the prefix length to compute once, fixed by the caller over the whole prompt
+        set (`shared_prefix_length` of all train or eval prompts) so that a prompt's numerics
+        do not depend on which prompts share its batch or rank; default: this batch's."""
         dec = self.decoder
         n, rows = len(prompts), len(prompts) * group_size
         dtype, device = dec.embed.dtype, dec.embed.device
-        shared = shared_prefix_length(prompts)
-        suffix_ids, suffix_mask = left_pad([p[shared:] for p in prompts], pad_id, device)
-        width = suffix_ids.shape[1]
+        shared = shared_prefix_length(prompts) if shared is None else min(
+            shared, shared_prefix_length(prompts))
+        suffixes = [p[shared:] for p in prompts]
+        width = round_up(max(len(x) for x in suffixes), WIDTH_BUCKET)
         capacity = shared + width + max_new_tokens
         cos, sin = dec.rotary(dec.embed[:1], torch.arange(capacity, device=device)[None])
         self.cos, self.sin = cos[0], sin[0]  # [C, d]
@@ -352,11 +357,11 @@ class LeanStepper:
         self.values = [torch.zeros((rows, dec.kv_heads, capacity, dec.head_dim), dtype=dtype,
                                    device=device) for _ in dec.layers]
 
-        def store(index, k, v, start):  # k/v [b, T, Hkv, d] for b in (1, n): into all G rows
-            k_t, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)  # [b, Hkv, d, T], [b, Hkv, T, d]
+        def store(index, k, v, start, members=slice(None)):  # k/v [1, T, Hkv, d] -> G rows
+            k_t, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)  # [1, Hkv, d, T], [1, Hkv, T, d]
             end = start + k.shape[1]
-            self.keys[index][..., start:end].view(k.shape[0], -1, *k_t.shape[1:]).copy_(k_t[:, None])
-            self.values[index][:, :, start:end].view(k.shape[0], -1, *v.shape[1:]).copy_(v[:, None])
+            self.keys[index][members, ..., start:end] = k_t
+            self.values[index][members, :, start:end] = v
             return k_t, v
 
         prefix = {}
@@ -371,27 +376,48 @@ class LeanStepper:
             _layers(dec, F.embedding(ids, dec.embed), self.cos[positions][:, :, None],
                     self.sin[positions][:, :, None], _causal_mask(torch.ones_like(ids)),
                     attend_prefix)
-
-        def attend_suffix(index, k, v):
-            k_t, v = store(index, k, v, shared)
-            if not shared:
-                return k_t, v
-            prefix_k, prefix_v = prefix[index]
-            return (torch.cat([prefix_k.expand(n, -1, -1, -1), k_t], dim=-1),
-                    torch.cat([prefix_v.expand(n, -1, -1, -1), v], dim=-2))
-
-        positions = shared + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [n, W]
-        mask = torch.cat([torch.zeros((n, width, shared), device=device),
-                          _causal_mask(suffix_mask)], dim=-1)  # [n, W, shared + W]
-        hidden = _layers(dec, F.embedding(suffix_ids, dec.embed), self.cos[positions][:, :, None],
-                         self.sin[positions][:, :, None], mask, attend_suffix)
+        suffix_mask, last_logits = self._prefill_suffixes(suffixes, pad_id, group_size, shared,
+                                                          width, prefix, store)
         self.mask = torch.full((rows, capacity), MASKED, device=device)
         self.mask[:, :shared] = 0.0
         self.mask[:, shared:shared + width] = torch.where(
             suffix_mask.bool(), 0.0, MASKED).repeat_interleave(group_size, dim=0)
+        positions = shared + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [n, W]
         self.positions = positions[:, -1].repeat_interleave(group_size, dim=0)  # [N]
         self.filled = shared + width
-        return _logits(dec, hidden[:, -1]).repeat_interleave(group_size, dim=0)
+        return last_logits.repeat_interleave(group_size, dim=0)
+
+    def _prefill_suffixes(self, suffixes, pad_id, group_size, shared, width, prefix, store):
+        """Each prompt's own tokens, forwarded alone at their own padded width, its block flush
+        right in the batch's W columns: -> (real-token mask [n, W], next-token logits [n, V]).
+
+        Alone because a matmul's rows can round differently at another row count (measured:
+        1 ulp of a first token's log-prob between batch 1 and 2 on the CPU), and a prompt must
+        compute the same whatever batch or rank it lands in (world-size invariance)."""
+        dec = self.decoder
+        device = dec.embed.device
+        suffix_mask = torch.zeros((len(suffixes), width), dtype=torch.long, device=device)
+        logits = []
+        for i, suffix in enumerate(suffixes):
+            ids, real = left_pad([suffix], pad_id, device)  # [1, w]
+            own = ids.shape[1]
+            suffix_mask[i, width - own:] = real[0]
+            members, start = slice(i * group_size, (i + 1) * group_size), shared + width - own
+
+            def attend(index, k, v, members=members, start=start):
+                k_t, v = store(index, k, v, start, members)
+                if not shared:
+                    return k_t, v
+                prefix_k, prefix_v = prefix[index]
+                return torch.cat([prefix_k, k_t], dim=-1), torch.cat([prefix_v, v], dim=-2)
+
+            positions = shared + (real.cumsum(-1) - 1).clamp(min=0)  # [1, w]
+            mask = torch.cat([torch.zeros((1, own, shared), device=device), _causal_mask(real)],
+                             dim=-1)  # [1, w, shared + w]
+            hidden = _layers(dec, F.embedding(ids, dec.embed), self.cos[positions][:, :, None],
+                             self.sin[positions][:, :, None], mask, attend)
+            logits.append(_logits(dec, hidden[:, -1]))  # [1, V]
+        return suffix_mask, torch.cat(logits)
 
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from grpogate.evidence.assemble import seeds
 from grpogate.inputs.policy import Policy, sampling_weights
 from grpogate.inputs.tasks import Problem
 from grpogate.interrupts import StopRequest
+from grpogate.sampling.decoding import shared_prefix_length
 from grpogate.sampling.rollout import (SamplingSettings, generate_completions, sampling_settings,
                                        score_completions, trace_id)
 
@@ -25,12 +26,14 @@ from grpogate.sampling.rollout import (SamplingSettings, generate_completions, s
 def evaluate_policy(model, tokenizer, problems: list[Problem], prompt_token_ids: list[list[int]],
                     *, policy_name: str, policy_version: str, verifier, group_size: int,
                     settings: SamplingSettings, seed: int, mode=contextlib.nullcontext,
-                    advance=None, prompt_indexes: list[int] | None = None) -> list[dict]:
+                    advance=None, prompt_indexes: list[int] | None = None,
+                    shared_prefix: int | None = None) -> list[dict]:
     """Sample `group_size` fresh completions per eval prompt under `mode` and score them;
     `prompt_indexes`: the prompts' indexes in the eval set (their seeds; default 0, 1, ...)."""
     with mode():
         completions = generate_completions(model, tokenizer, prompt_token_ids, group_size,
-                                           settings, seed, advance, prompt_indexes=prompt_indexes)
+                                           settings, seed, advance, prompt_indexes=prompt_indexes,
+                                           shared_prefix=shared_prefix)
     rewards = score_completions(completions, problems, verifier)
     records = []
     for completion, reward in zip(completions, rewards):
@@ -53,13 +56,18 @@ def evaluate_policy(model, tokenizer, problems: list[Problem], prompt_token_ids:
 
 def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]], verifier,
                 config: RunConfig, candidate_version: str, reporter,
-                stop: StopRequest, world: World = SINGLE) -> tuple[list[dict], int] | None:
+                stop: StopRequest, world: World = SINGLE,
+                shared_prefix: int | None = None) -> tuple[list[dict], int] | None:
     """Fresh completions of the baseline, then the candidate, on the encoded eval prompts with
     the same seed; returns the records and the verifier errors (of every rank). None when a
-    stop was requested (on any rank) before either policy's pass (a safe point)."""
+    stop was requested (on any rank) before either policy's pass (a safe point).
+    `shared_prefix` defaults to the common prefix of all `prompts` (see generate_completions);
+    a caller re-testing a part of the eval set passes the whole set's."""
     records: list[dict] = []
     errors_before = verifier.error_count
     positions = shard(len(prompts), world)
+    if shared_prefix is None:
+        shared_prefix = shared_prefix_length(prompts) if prompts else 0
     for name, version, mode in (
             ("baseline", policy.baseline_version, lambda: sampling_weights(policy, baseline=True)),
             ("candidate", candidate_version, lambda: sampling_weights(policy))):
@@ -71,7 +79,8 @@ def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]
                 [prompts[k] for k in positions], policy_name=name,
                 policy_version=version, verifier=verifier, group_size=config.eval_group_size,
                 settings=sampling_settings(config), seed=seeds(config.to_dict())["eval"],
-                mode=mode, advance=advance, prompt_indexes=positions)
+                mode=mode, advance=advance, prompt_indexes=positions,
+                shared_prefix=shared_prefix)
             records += _gathered(world, mine, positions, config.eval_group_size)
             advance(len(prompts) * config.eval_group_size - len(mine))
     errors = world.all_gather_object(verifier.error_count - errors_before)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpogate.sampling.decoding import ROW_BUCKET, make_stepper, round_up
+from grpogate.sampling.decoding import ROW_BUCKET, make_stepper, round_up, shared_prefix_length
 from grpogate.config import RunConfig
 from grpogate.errors import InputError
 from grpogate.evidence.assemble import prompt_seed
@@ -166,7 +166,7 @@ def _row_uniforms(generators: list, rows: torch.Tensor, group_size: int) -> torc
 @torch.no_grad()
 def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings: SamplingSettings,
                    eos_ids: set[int], pad_id: int, generator, device,
-                   advance=None) -> tuple[list[list[int]], list[list[float]]]:
+                   advance=None, shared: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """Sample `group_size` continuations of each prompt; returns token lists and each token's
     sampler log-prob, prompt-major.
 
@@ -179,7 +179,7 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
     """
     advance = advance or (lambda count: None)
     generators = generator if isinstance(generator, list) else [generator] * len(prompts)
-    logits = stepper.prefill(prompts, pad_id, group_size, settings.max_new_tokens)
+    logits = stepper.prefill(prompts, pad_id, group_size, settings.max_new_tokens, shared)
     rows = torch.arange(logits.shape[0], device=device)  # original row of each batch row
     live = torch.ones(len(rows), dtype=torch.bool, device=device)  # not yet past EOS
     tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
@@ -221,7 +221,8 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
 
 def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], group_size: int,
                          settings: SamplingSettings, seed: int, advance=None,
-                         stepper=None, prompt_indexes: list[int] | None = None) -> list[Completion]:
+                         stepper=None, prompt_indexes: list[int] | None = None,
+                         shared_prefix: int | None = None) -> list[Completion]:
     """Sample `group_size` completions for every prompt, batched across groups.
 
     Each prompt has its own generator, seeded with `prompt_seed(seed, its index)` —
@@ -230,6 +231,8 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
     and the baseline and the candidate see the same seeds in the re-test. The model is used as
     it is: callers choose the weights (see `policy.sampling_weights`). `stepper` is the decode
     forward (default: `make_stepper(model)`, built from the weights as they are now).
+    `shared_prefix`: the prefix the decoder computes once per batch, fixed over the caller's
+    whole prompt set (`decoding.shared_prefix_length`) so batching never changes numerics.
     """
     eos_ids = _eos_ids(model, tokenizer)
     device = next(model.parameters()).device
@@ -245,7 +248,8 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
             chunk = list(range(start, min(start + prompts_per_batch, len(prompt_token_ids))))
             sampled, logprobs = _decode_groups(
                 stepper, [prompt_token_ids[p] for p in chunk], group_size, settings, eos_ids,
-                tokenizer.pad_token_id, [generators[p] for p in chunk], device, advance)
+                tokenizer.pad_token_id, [generators[p] for p in chunk], device, advance,
+                shared_prefix)
             for offset, (tokens, token_logprobs) in enumerate(zip(sampled, logprobs)):
                 prompt_index, sample_index = chunk[offset // group_size], offset % group_size
                 completion, stopped = _cut_at_eos(tokens, eos_ids)

@@ -19,6 +19,7 @@ stops are agreed at the safe points; only rank 0 writes (its log and checkpoints
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from grpogate.files import JsonlLog
 from grpogate.inputs.policy import Policy, current_version, reference_mode, sampling_weights
 from grpogate.inputs.tasks import Problem
 from grpogate.interrupts import StopRequest
-from grpogate.sampling.decoding import make_stepper
+from grpogate.sampling.decoding import make_stepper, shared_prefix_length
 from grpogate.sampling.rollout import (Completion, generate_completions, sampling_settings,
                                        score_completions, score_rewards, trajectory_records)
 from grpogate.training.advantages import build_update_batch
@@ -102,6 +103,12 @@ class Loop:
     stop: StopRequest
     checkpoints: CheckpointWriter
     world: World = SINGLE
+
+    @functools.cached_property
+    def shared_prefix(self) -> int:
+        """The decoder's once-per-batch prefix, fixed over the whole train set: batching (one
+        process or several) then never changes a prompt's numerics."""
+        return shared_prefix_length(self.prompts) if self.prompts else 0
 
 
 @dataclass
@@ -218,7 +225,7 @@ def _sample_and_score(loop: Loop, state: LoopState, indexes: list[int], seed: in
         completions = generate_completions(policy.model, policy.tokenizer,
                                            [loop.prompts[i] for i in mine], config.group_size,
                                            sampling_settings(config), seed, advance, stepper,
-                                           prompt_indexes=mine)
+                                           prompt_indexes=mine, shared_prefix=loop.shared_prefix)
     generation = time.perf_counter() - started
     started = time.perf_counter()
     for completion in completions:
