@@ -200,3 +200,27 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_adapter(
 def test_grpogate_run_nproc_passes_every_other_argument_to_the_workers():
     assert torchrun_arguments(["run", "--nproc", "2", "--set", "seed=3", "--max-restarts=1",
                                "--out", "d"]) == ["run", "--set", "seed=3", "--out", "d"]
+
+
+def test_a_stop_on_one_rank_stops_every_rank_at_the_same_safe_point(tiny_model_dir, tmp_path):
+    """SIGTERM to rank 1 alone: rank 0 learns of it at the next safe point (an all-gather of
+    the ranks' stop requests), both stop there, and rank 0 writes the interim evidence."""
+    run_dir, pids, log = tmp_path / "run", tmp_path / "pids", tmp_path / "stopped.log"
+    pids.mkdir()
+    args = cli_args(tiny_model_dir, run_dir) + ["--set", "train_prompts=16"]  # 8 steps
+    with torchrun_job(["--nproc_per_node", "2", str(WORKERS), "run", *args], log,
+                      env={"PID_DIR": str(pids)}) as process:
+        deadline = time.monotonic() + DEADLINE
+        while not (run_dir / "checkpoints" / "step-000001").is_dir():
+            assert process.poll() is None, log.read_text(errors="replace")[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.02)
+        os.kill(int((pids / "rank1-attempt0").read_text()), signal.SIGTERM)
+        finish(process, log)  # both workers exit 143; torchrun reports the failed group
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    assert evidence["status"] == "interrupted", log.read_text(errors="replace")[-4000:]
+    assert evidence["interruption"]["signal"] == "SIGTERM"
+    assert 1 <= evidence["interruption"]["completed_steps"] < 8
+    assert json.loads((run_dir / "manifest.json").read_text())["status"] == "interrupted"
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == (
+        evidence["interruption"]["completed_steps"] * 2 * 4)  # only finished steps' groups
