@@ -224,3 +224,42 @@ def test_a_stop_on_one_rank_stops_every_rank_at_the_same_safe_point(tiny_model_d
     assert json.loads((run_dir / "manifest.json").read_text())["status"] == "interrupted"
     assert len(read_jsonl(run_dir / "trajectories.jsonl")) == (
         evidence["interruption"]["completed_steps"] * 2 * 4)  # only finished steps' groups
+
+
+class TwoRanks:
+    """A World stand-in whose gather returns rank 0's value and a given rank-1 value."""
+
+    def __init__(self, other):
+        self.other = other
+
+    def all_gather_object(self, value):
+        return [value, self.other]
+
+
+def test_ranks_that_end_with_different_adapters_fail_loudly():
+    pipeline.same_adapter_everywhere(TwoRanks("v1"), "v1")  # the same: nothing to say
+    with pytest.raises(RuntimeError, match="adapters differ.*0: v1, 1: v2"):
+        pipeline.same_adapter_everywhere(TwoRanks("v2"), "v1")
+
+
+def test_shards_deal_prompts_round_robin():
+    from grpogate.distributed import World, shard
+
+    # 5 prompts over 2 ranks: rank 0 takes 0, 2, 4 and rank 1 takes 1, 3.
+    assert shard(5, World(rank=0, world_size=2)) == [0, 2, 4]
+    assert shard(5, World(rank=1, world_size=2)) == [1, 3]
+
+
+def test_merged_update_records_sum_counts_and_keep_maxima():
+    from grpogate.training.data_parallel import merge_counts
+
+    class Gather:
+        distributed = True
+
+        def all_gather_object(self, value):
+            return [value, {"tokens": 5, "max": 0.5, "per_pass": [1, 2], "loss": [9.0]}]
+
+    merged = merge_counts(Gather(), {"tokens": 3, "max": 0.7, "per_pass": [3, 4], "loss": [9.0]},
+                          maxima=("max",), same=("loss",))
+    # tokens 3 + 5 = 8; max(0.7, 0.5) = 0.7; per pass [3 + 1, 4 + 2] = [4, 6]; loss as rank 0's.
+    assert merged == {"tokens": 8, "max": 0.7, "per_pass": [4, 6], "loss": [9.0]}

@@ -164,15 +164,6 @@ def shard(count: int, world: World) -> list[int]:
     return list(range(world.rank, count, world.world_size))
 
 
-def reassemble(per_rank: list[list], count: int, world_size: int) -> list:
-    """Undo `shard`: rank r's i-th item was position r + i * world_size."""
-    ordered = [None] * count
-    for rank, items in enumerate(per_rank):
-        for i, item in enumerate(items):
-            ordered[rank + i * world_size] = item
-    return ordered
-
-
 def init_world() -> World:
     """Join the process group torchrun described in the environment, or the one-process world.
 
