@@ -118,15 +118,16 @@ def test_beta_zero_runs_no_reference_forward(policy, prompts):
 def test_the_oom_retry_really_forwards_fewer_rows(policy, prompts, monkeypatch):
     """micro_batch_size 2 = G: the retry at 1 must split each group, not forward it whole."""
     forwarded = []
-    real = update_module.shared_prompt_logprobs
+    real = update_module.micro_batch_logprobs
 
-    def spy(model, packed, group_size, *args, **kwargs):
-        forwarded.append((packed.prompt_ids.shape[0], packed.completion_ids.shape[0]))
+    def spy(model, packed, per_prompt, *args, **kwargs):  # either layout: (prompts, completions)
+        rows = packed.completion_ids.shape[0]
+        forwarded.append((rows // per_prompt, rows))
         if len(forwarded) == 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
-        return real(model, packed, group_size, *args, **kwargs)
+        return real(model, packed, per_prompt, *args, **kwargs)
 
-    monkeypatch.setattr(update_module, "shared_prompt_logprobs", spy)
+    monkeypatch.setattr(update_module, "micro_batch_logprobs", spy)
     parameters = list(trainable_parameters(policy).values())
     settings = UpdateSettings(micro_batch_size=2, beta=0.0, temperature=1.0)
     record, used = update_with_retry(policy.model, torch.optim.AdamW(parameters, lr=1e-3),
@@ -166,10 +167,11 @@ def test_mismatch_is_exactly_zero_when_the_sampler_logprobs_are_the_trainers(pol
     exactly: also proves each row meets its own sampler values after the micro-batch sort."""
     batch = sampled_batch(policy, prompts)
     own: dict[int, list[float]] = {}
+    step = update_module._Step(policy.model, batch, UpdateSettings(temperature=1.0), EOS,
+                               lambda: reference_mode(policy), torch.device("cpu"), {})
     with torch.no_grad():
         for micro in batching.micro_batches(batch, list(range(len(batch))), 4):
-            packed = batching.pack_rows(batch, micro, EOS, torch.device("cpu"))
-            logp = update_module.shared_prompt_logprobs(policy.model, packed, 4, 1.0)
+            logp = step.logprobs(step.pack(micro), micro)  # the layout the update will choose
             for row, index in enumerate(micro):
                 own[index] = logp[row, :len(batch.completion_token_ids[index])].tolist()
     batch.sampler_logprobs = [own[i] for i in range(len(batch))]

@@ -1,10 +1,15 @@
 """Log-probabilities of completion tokens under a model, without a full-vocabulary copy.
 
-`shared_prompt_logprobs` forwards each group's prompt once and reuses its KV cache for the
-group's G completions; a test holds it equal (values and gradients) to one whole forward per
-sequence (tests/reference_logprobs.py).
+Two layouts of one micro-batch, held equal (values and gradients) to one whole forward per
+sequence by tests (tests/reference_logprobs.py):
+- `shared_prompt_logprobs` (padded): each group's prompt forwarded once, its KV cache reused by
+  the group's G completions, right-padded to the longest completion (rounded up to 16);
+- `packed_logprobs` (padding-free): the whole micro-batch in one row — the prompts' common
+  prefix (system prompt, chat template) once, each group's prompt suffix once, then its
+  completions — under a tree-shaped causal mask, positions restarting per sequence, logits
+  only where a completion token is predicted.
 Shapes: n groups, N = n * G sequences, P prompt columns (left-padded), T completion columns
-(right-padded).
+(right-padded), L packed positions, M completion tokens.
 """
 
 from __future__ import annotations
@@ -60,6 +65,14 @@ class PackedGroups:
     completion_ids: torch.Tensor  # [N, T] right-padded
     completion_mask: torch.Tensor  # [N, T] float, 1 on real tokens
 
+    def forwarded_tokens(self) -> tuple[int, int]:
+        """(positions one forward computes, padding included; the real ones among them): the
+        prompt pass, then every completion's first T - 1 columns (the last is only predicted)."""
+        width = self.completion_ids.shape[1] - 1
+        real_inputs = (self.completion_mask.sum(1) - 1).clamp(min=0).sum()
+        return (self.prompt_ids.numel() + self.completion_ids.shape[0] * width,
+                int(self.prompt_mask.sum() + real_inputs))
+
 
 def pack_groups(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
                 device) -> PackedGroups:
@@ -102,3 +115,117 @@ def shared_prompt_logprobs(model, packed: PackedGroups, group_size: int, tempera
     else:
         logits = first_logits
     return token_logprobs(logits, completion_ids, temperature, chunk, entropy)
+
+
+def common_prefix_length(prompts: list[list[int]]) -> int:
+    """Tokens every prompt starts with, leaving each at least one token of its own."""
+    shortest = min(len(p) for p in prompts)
+    length = 0
+    while length < shortest - 1 and all(p[length] == prompts[0][length] for p in prompts):
+        length += 1
+    return length
+
+
+@dataclass
+class PackedRow:
+    """A micro-batch as one padding-free row (`pack_row`); completions also as [N, T]."""
+
+    input_ids: torch.Tensor  # [1, L]
+    position_ids: torch.Tensor  # [1, L] restarting at 0 for every prompt
+    allowed: torch.Tensor  # [L, L] bool: query i may attend key j
+    logit_positions: torch.Tensor  # [U] the positions whose next-token logits are needed
+    logit_index: torch.Tensor  # [M] each completion token's predicting position, into U
+    rows: torch.Tensor  # [M] each completion token's row in [N, T]
+    columns: torch.Tensor  # [M] ... and column
+    completion_ids: torch.Tensor  # [N, T] right-padded
+    completion_mask: torch.Tensor  # [N, T] float, 1 on real tokens
+    real_tokens: int  # positions of L that are not padding
+
+    def forwarded_tokens(self) -> tuple[int, int]:
+        """(positions the forward computes, padding included; the real ones among them)."""
+        return self.input_ids.numel(), self.real_tokens
+
+
+def pack_row(prompts: list[list[int]], completions: list[list[int]], per_prompt: int,
+             pad_id: int, device) -> PackedRow:
+    """One row: [common prefix | suffix 1, its completions | suffix 2, ... | padding].
+
+    Completion r of prompt g sees the prefix, suffix g and its own earlier tokens; padding
+    (L rounded up to WIDTH_BUCKET, so a run sees few shapes) sees only padding. A completion's
+    last token is never an input: it is only predicted.
+    """
+    shared = common_prefix_length(prompts)
+    ids, positions = list(prompts[0][:shared]), list(range(shared))
+    group, branch = [-1] * shared, [-1] * shared  # -1: shared by all groups / all branches
+    predicted_at, rows, columns = [], [], []
+    for g, prompt in enumerate(prompts):
+        ids += prompt[shared:]
+        positions += range(shared, len(prompt))
+        group += [g] * (len(prompt) - shared)
+        branch += [-1] * (len(prompt) - shared)
+        last = len(ids) - 1  # predicts every completion's first token
+        for r in range(g * per_prompt, (g + 1) * per_prompt):
+            completion, start = completions[r], len(ids)
+            if not completion:
+                continue
+            inputs = completion[:-1]
+            ids += inputs
+            positions += range(len(prompt), len(prompt) + len(inputs))
+            group += [g] * len(inputs)
+            branch += [r] * len(inputs)
+            predicted_at += [last] + list(range(start, start + len(inputs)))
+            rows += [r] * len(completion)
+            columns += range(len(completion))
+    real = len(ids)
+    padding = round_up(real, WIDTH_BUCKET) - real
+    ids += [pad_id] * padding
+    positions += [0] * padding
+    group += [-2] * padding
+    branch += [-2] * padding
+    g, b = torch.tensor(group), torch.tensor(branch)
+    causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
+    shared_key = (g[None] == -1) & (g[:, None] != -2)  # [L, L]: the prefix, to real queries
+    related = shared_key | ((g[None] == g[:, None]) & ((b[None] == -1) | (b[None] == b[:, None])))
+    unique = sorted(set(predicted_at))
+    where = {position: index for index, position in enumerate(unique)}
+    completion_ids, completion_mask = right_pad(completions, pad_id, device)
+    return PackedRow(
+        torch.tensor([ids], device=device), torch.tensor([positions], device=device),
+        (causal & related).to(device), torch.tensor(unique, device=device),
+        torch.tensor([where[p] for p in predicted_at], dtype=torch.long, device=device),
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(columns, dtype=torch.long, device=device), completion_ids, completion_mask,
+        real)
+
+
+def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 64,
+                    entropy: list | None = None) -> torch.Tensor:
+    """Log-probs [N, T] of the completions (0 on padding), from one forward of `packed`'s row.
+
+    The mask goes to the model as a 4D additive float mask, which transformers passes to the
+    attention unchanged (eager and SDPA alike). `entropy`: see `token_logprobs`, [N, T] too.
+    """
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros(packed.allowed.shape, dtype=dtype, device=packed.allowed.device)
+    mask = mask.masked_fill(~packed.allowed, torch.finfo(dtype).min)[None, None]  # [1, 1, L, L]
+    logits = model(input_ids=packed.input_ids, attention_mask=mask,
+                   position_ids=packed.position_ids, use_cache=False,
+                   logits_to_keep=packed.logit_positions).logits  # [1, U, V]
+    targets = packed.completion_ids[packed.rows, packed.columns]  # [M]
+    pieces = [] if entropy is not None else None
+    values = token_logprobs(logits[:, packed.logit_index], targets[None], temperature, chunk,
+                            pieces)[0]  # [M]
+    out = values.new_zeros(packed.completion_ids.shape)
+    out = out.index_put((packed.rows, packed.columns), values)  # [N, T], differentiable
+    if entropy is not None:
+        entropy.append(out.detach().new_zeros(out.shape).index_put(
+            (packed.rows, packed.columns), pieces[0][0]))
+    return out
+
+
+def micro_batch_logprobs(model, packed: PackedGroups | PackedRow, per_prompt: int,
+                         temperature: float, entropy: list | None = None) -> torch.Tensor:
+    """Log-probs [N, T] of a micro-batch in either layout (`batching.pack_rows` chooses)."""
+    if isinstance(packed, PackedRow):
+        return packed_logprobs(model, packed, temperature, entropy=entropy)
+    return shared_prompt_logprobs(model, packed, per_prompt, temperature, entropy=entropy)

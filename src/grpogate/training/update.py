@@ -7,7 +7,9 @@ Where this departs from the DeepSeekMath GRPO objective (Shao et al. 2024, eq. 3
   disabled, or the frozen baseline adapter) — not a second model copy; beta = 0 runs no
   reference forward at all.
 - Each group's prompt is forwarded once and its KV cache shared by its completions
-  (`logprobs.shared_prompt_logprobs`); the result equals one forward per sequence. A
+  (`logprobs.shared_prompt_logprobs`), or the micro-batch is packed into one padding-free row
+  with the prompts' common prefix once (`logprobs.packed_logprobs`), whichever
+  `batching.forward_cost` estimates cheaper; both equal one forward per sequence (tested). A
   micro-batch smaller than a group carries a slice of one, its prompt forwarded per slice.
 - pi_old is the trainer's own forward of the rollout policy. With one optimizer step per
   rollout (num_iterations 1, one step of groups) that *is* the current policy, so its
@@ -45,8 +47,9 @@ from grpogate.config import RunConfig
 from grpogate.distributed import SINGLE, World
 from grpogate.training import data_parallel, objectives
 from grpogate.training.advantages import UpdateBatch
-from grpogate.training.batching import micro_batches, pack_rows, padded_rows, rows_per_prompt, step_plan
-from grpogate.training.logprobs import PackedGroups, shared_prompt_logprobs
+from grpogate.training.batching import (ForwardShape, micro_batches, pack_rows, padded_rows,
+                                        rows_per_prompt, step_plan)
+from grpogate.training.logprobs import PackedGroups, PackedRow, micro_batch_logprobs
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -77,10 +80,13 @@ class UpdateSettings:
     rollout_correction: str = "none"
     rollout_correction_cap: float = 2.0
     max_new_tokens: int = 48  # dr_grpo's constant normalizer
+    # batching.LAYOUTS: not a config knob (both layouts give the same log-probs); the bench
+    # and the tests force one to compare them.
+    layout: str = "auto"
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "UpdateSettings":
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "epsilon_high"]
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("epsilon_high", "layout")]
         return cls(**{name: getattr(config, name) for name in names},
                    epsilon_high=config.resolved_epsilon_high())
 
@@ -96,6 +102,10 @@ class UpdateRecord:
     clipped_tokens: int = 0
     masked_sequences: int = 0  # forwarded for their group but adding no loss (truncated)
     trained_tokens: int = 0  # tokens with a non-zero surrogate weight (entropy mask, correction)
+    # Positions the update's forwards computed (policy, reference, pi_old), padding included,
+    # and the real ones among them: the padding's share is compute spent on nothing.
+    forwarded_tokens: int = 0
+    forwarded_real_tokens: int = 0
     # Per iteration (pass over the rollout): tokens and clipped tokens.
     pass_tokens: list[int] = field(default_factory=list)
     pass_clipped: list[int] = field(default_factory=list)
@@ -116,7 +126,9 @@ class UpdateRecord:
             "update_count": self.update_count,
             "sequences": self.sequences,
             "masked_truncated_sequences": self.masked_sequences,
-            "tokens": self.tokens,
+            "tokens": self.tokens,  # the loss's tokens over all passes (the audit recounts them)
+            "tokens_forwarded": self.forwarded_tokens,
+            "tokens_forwarded_real": self.forwarded_real_tokens,
             "loss": self.losses,
             "grad_norm": self.grad_norms,
             "mean_kl": self.kl_sum / self.tokens if self.tokens else 0.0,
@@ -148,12 +160,21 @@ class _Step:
     reference_mode: object  # context manager factory: the model as the baseline policy
     device: torch.device
     old_logp: dict[int, torch.Tensor]  # rollout-policy log-probs by row; empty: detached current
+    record: UpdateRecord = field(default_factory=UpdateRecord)  # the counts of forwarded tokens
     iteration: int = 0  # which pass over the rollout
     world: World = SINGLE  # which micro-batches this process runs (`_dealt`)
 
-    def logprobs(self, packed: PackedGroups, micro: list[int], entropy: list | None = None):
-        return shared_prompt_logprobs(self.model, packed, rows_per_prompt(self.batch, micro),
-                                      self.settings.temperature, entropy=entropy)
+    def pack(self, micro: list[int]) -> PackedGroups | PackedRow:
+        return pack_rows(self.batch, micro, self.pad_id, self.device, self.settings.layout,
+                         ForwardShape.of(self.model.config))
+
+    def logprobs(self, packed: PackedGroups | PackedRow, micro: list[int],
+                 entropy: list | None = None):
+        executed, real = packed.forwarded_tokens()
+        self.record.forwarded_tokens += executed
+        self.record.forwarded_real_tokens += real
+        return micro_batch_logprobs(self.model, packed, rows_per_prompt(self.batch, micro),
+                                    self.settings.temperature, entropy)
 
 
 def _run_agreed(step: _Step, optimizer, work) -> None:
@@ -187,8 +208,7 @@ def rollout_logprobs(step: _Step, rows: list[int], optimizer) -> dict[int, torch
         with torch.no_grad():
             micros = micro_batches(step.batch, rows, step.settings.micro_batch_size)
             for micro in data_parallel.deal(step.world, micros):
-                packed = pack_rows(step.batch, micro, step.pad_id, step.device)
-                old_logp.update(zip(micro, step.logprobs(packed, micro)))
+                old_logp.update(zip(micro, step.logprobs(step.pack(micro), micro)))
 
     _run_agreed(step, optimizer, work)
     return data_parallel.gather_rows(step.world, old_logp)
@@ -238,7 +258,7 @@ def _backward_micro_batch(step: _Step, micro: list[int], denominator: int,
                           record: UpdateRecord) -> float:
     """Forward (reference, then policy), loss, backward for one micro-batch; returns its loss."""
     settings = step.settings
-    packed = pack_rows(step.batch, micro, step.pad_id, step.device)
+    packed = step.pack(micro)
     ref_logp = None
     if settings.beta > 0:
         with torch.no_grad(), step.reference_mode():
@@ -342,7 +362,7 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
     parameters = list(parameters)
     plan = step_plan(batch, settings.groups_per_update)
     step = _Step(model, batch, settings, pad_id, reference_mode,
-                 next(model.parameters()).device, {}, world=world)
+                 next(model.parameters()).device, {}, record, world=world)
     if batch.old_logprobs is not None:
         # The sampler drew from a truncated distribution (top_k / top_p / min_p): that, not
         # the trainer's full softmax, is the behaviour policy the ratio divides by.
