@@ -19,7 +19,7 @@ import json
 import struct
 from pathlib import Path
 
-from grpogate.evidence.assemble import assemble_evidence, step_summary
+from grpogate.evidence.assemble import assemble_evidence, step_summary, update_throughput
 from grpogate.evidence.manifest import build_manifest
 from grpogate.config import Gates, RunConfig, TaskConfig, validate
 from grpogate.files import (atomic_write_bytes, atomic_write_json, jsonl_bytes, policy_version,
@@ -121,7 +121,9 @@ def write_synthetic_run(root: Path, **gates) -> Path:
             "refill_generation_seconds": 0.0,
             "generation_tokens_per_second": generated / 1.0, "rollout_seconds": 1.0,
             "verification_seconds": 0.01, "update_seconds": 0.5, "update_count": 1,
-            "sequences": 4, "masked_truncated_sequences": 0, "tokens": 30 + step, "loss": [0.1], "grad_norm": [0.5 + step],
+            "sequences": 4, "masked_truncated_sequences": 0, "loss": [0.1], "grad_norm": [0.5 + step],
+            "tokens_forwarded": 64, "tokens_forwarded_real": 40,
+            **update_throughput(summary["tokens"], 64, 40, 0.5),
             "mean_kl": 0.001 * (step + 1), "clip_fraction": 0.01 * step})
         trajectories += records
     atomic_write_bytes(run_dir / "trajectories.jsonl", jsonl_bytes(trajectories))

@@ -13,7 +13,8 @@ import grpogate
 from grpogate.evidence import decisions
 from grpogate.evidence import metrics
 from grpogate.evidence.assemble import (dynamic_sampling_section, generation_rounds,
-                                       step_summary)
+                                       recorded_facts, step_summary, update_section,
+                                       update_throughput)
 from grpogate.evidence.audit import audit_run, same_value
 from grpogate.cli import app
 from grpogate.errors import InputError
@@ -76,6 +77,12 @@ def test_forgery_with_consistent_hashes_is_caught_by_the_verifier(run_dir):
     evidence["rollout"].update(metrics.rollout_summary(trajectories, 4))
     step_records = [r for r in trajectories if r["step"] == 0]
     evidence["steps"][0].update(step_summary(step_records, 4))
+    step = evidence["steps"][0]  # the group now valid adds its tokens to the update's count
+    step.update(update_throughput(step["tokens"], step["tokens_forwarded"],
+                                  step["tokens_forwarded_real"], step["update_seconds"]))
+    facts = recorded_facts(evidence)
+    evidence["update"] = update_section(evidence["config"], evidence["steps"], facts["seconds"],
+                                        facts["micro_batch_size"], facts["oom_retries"])
     for recorded, rebuilt in zip(evidence["steps"][0]["generation_rounds"],
                                  generation_rounds(step_records, 4, evidence["config"]["seed"], 0)):
         recorded.update(rebuilt)
@@ -327,3 +334,20 @@ def test_decide_states_which_gain_rule_decided(tmp_path):
     text = " ".join(result.output.split())
     assert "gain gates (reward, pass_at_group) read the point estimate" in text
     assert "non-default gate require_significant_gain = False (default True)" in text
+
+
+def test_update_token_counts_are_recounted_from_the_trajectories(run_dir):
+    """A step claiming more trained tokens than its kept groups' completions hold, or a padding
+    share its own forwarded counts do not give, is named (manifest re-hashed, so only the
+    recount can see it)."""
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    step = evidence["steps"][1]
+    # step 1's synthetic kept group: its completion_tokens sum to the recorded count
+    step["tokens"] += 5
+    step["padding_fraction"] = 0.0  # recorded 64 forwarded, 40 real: 1 - 40/64 = 0.375
+    atomic_write_json(run_dir / "evidence.json", evidence)
+    trajectories = read_jsonl(run_dir / "trajectories.jsonl")
+    atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))
+    mismatches = {m["field"]: m for m in audit_run(run_dir)["mismatches"]}
+    assert mismatches["steps[1].tokens"]["recorded"] == mismatches["steps[1].tokens"]["recomputed"] + 5
+    assert mismatches["steps[1].padding_fraction"]["recomputed"] == 0.375

@@ -210,3 +210,13 @@ def test_the_report_states_the_gain_rule_and_the_smoke_profile_s_purpose(run_dir
     page = gates_section(evidence)
     assert "<b>profile smoke</b>: a pipeline check" in page
     assert "point estimate" in page and "require_significant_gain" not in page
+
+
+def test_report_shows_each_steps_update_tokens_and_padding(run_dir):
+    text = write_report(run_dir).read_text()
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    assert "tokens forwarded (with padding)" in text
+    # synthetic steps: 64 forwarded, 40 real -> padding share 1 - 40/64 = 0.375; 0.5 s each
+    assert "<td>64</td><td>0.375</td><td>0.5</td>" in text
+    tokens = evidence["steps"][0]["tokens"]
+    assert f"<td>{tokens}</td><td>64</td>" in text and f"<td>{tokens / 0.5:.4g}</td>" in text

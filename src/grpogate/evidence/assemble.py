@@ -25,7 +25,7 @@ REFILL_SEED_OFFSET = 1_000_000  # refill round r >= 1 of step s samples with see
 # The per-step fields recomputable from that step's trajectory records.
 STEP_FIELDS = ("mean_reward", "group_count", "valid_group_count", "valid_group_ratio",
                "max_length_hit_ratio", "generated_tokens", "reward_component_means",
-               "prompts_drawn", "groups_generated", "groups_kept", "refill_prompts")
+               "prompts_drawn", "groups_generated", "groups_kept", "refill_prompts", "tokens")
 
 
 def library_versions() -> dict:
@@ -71,9 +71,12 @@ def _kept(group: list[dict], mask_truncated: bool) -> bool:
         not mask_truncated or not all(r["hit_max_length"] for r in group))
 
 
-def step_summary(records: list[dict], group_size: int, mask_truncated: bool = False) -> dict:
+def step_summary(records: list[dict], group_size: int, mask_truncated: bool = False,
+                 num_iterations: int = 1) -> dict:
     """One step's STEP_FIELDS from its trajectory records (the loop records, the audit checks):
-    coverage, per-component means and, for dynamic sampling, what every round drew and kept."""
+    coverage, per-component means, for dynamic sampling what every round drew and kept, and
+    `tokens`, the tokens the update trained on: every completion token of the kept groups that
+    adds loss, once per pass (the update's own count must equal it)."""
     summary = metrics.rollout_summary(records, group_size)
     summary["generated_tokens"] = sum(int(r["completion_tokens"]) for r in records)
     summary["reward_component_means"] = metrics.component_means(records)
@@ -84,7 +87,18 @@ def step_summary(records: list[dict], group_size: int, mask_truncated: bool = Fa
     summary["groups_kept"] = sum(len(g) == group_size and _kept(g, mask_truncated)
                                  for g in groups.values())
     summary["refill_prompts"] = sum(int(g[0].get("round", 0)) > 0 for g in groups.values())
+    summary["tokens"] = num_iterations * sum(
+        int(r["completion_tokens"]) for g in groups.values()
+        if len(g) == group_size and _kept(g, mask_truncated)
+        for r in g if not (mask_truncated and r["hit_max_length"]))
     return {key: summary[key] for key in STEP_FIELDS}
+
+
+def update_throughput(tokens: int, forwarded: int, forwarded_real: int, seconds: float) -> dict:
+    """What an update's compute bought: the tokens trained per second, and the share of the
+    forwarded positions (policy, reference, pi_old forwards) that was padding."""
+    return {"update_tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+            "padding_fraction": 1.0 - forwarded_real / forwarded if forwarded else 0.0}
 
 
 def sampling_section(config: dict) -> dict:
@@ -161,6 +175,8 @@ def update_section(config: dict, steps: list[dict], seconds: dict, micro_batch_s
     """The update totals over the per-step records (token-weighted KL, clip fraction, entropy
     and sampler-trainer mismatch; the largest mismatch of any step)."""
     tokens = sum(s["tokens"] for s in steps)
+    forwarded = sum(s.get("tokens_forwarded", 0) for s in steps)
+    forwarded_real = sum(s.get("tokens_forwarded_real", 0) for s in steps)
     maxima = [s["mismatch_max_abs_logp"] for s in steps
               if s.get("mismatch_max_abs_logp") is not None]
     return {
@@ -179,6 +195,9 @@ def update_section(config: dict, steps: list[dict], seconds: dict, micro_batch_s
         "learning_rate": config["learning_rate"], "optimizer": "AdamW",
         "max_grad_norm": config["max_grad_norm"],
         "trained_sequences": sum(s["sequences"] for s in steps), "trained_tokens": tokens,
+        # Padding included: forwarded - forwarded_real positions were computed for nothing.
+        "tokens_forwarded": forwarded, "tokens_forwarded_real": forwarded_real,
+        **update_throughput(tokens, forwarded, forwarded_real, seconds["update"]),
         # Forwarded with their group but adding no loss: they hit max_new_tokens.
         "mask_truncated_completions": config.get("mask_truncated_completions", False),
         "masked_truncated_sequences": sum(s.get("masked_truncated_sequences", 0) for s in steps),

@@ -30,7 +30,7 @@ from grpogate.config import Gates, TaskConfig
 from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, recorded_facts,
-                                       step_summary)
+                                       step_summary, update_throughput)
 from grpogate.evidence.manifest import PROBLEMS_FILE, RUN_FILES, build_manifest, trace_ids_sha256
 from grpogate.files import ADAPTER_WEIGHTS, policy_version, safetensors_sha256, sha256_path
 from grpogate.inputs.rewards import reward_set_from_config
@@ -309,6 +309,7 @@ def check_steps(audit: Audit, evidence: dict, trajectories: list[dict],
     that step's trajectory records; `reward_versions` as the audit's reward set has them."""
     group_size = evidence["config"]["group_size"]
     mask_truncated = evidence["config"].get("mask_truncated_completions", False)
+    iterations = evidence["config"].get("num_iterations", 1)
     steps = evidence.get("steps") if isinstance(evidence.get("steps"), list) else []
     for index, step in enumerate(steps):
         records = [r for r in trajectories if r.get("step") == step.get("step")]
@@ -317,7 +318,10 @@ def check_steps(audit: Audit, evidence: dict, trajectories: list[dict],
             continue
         try:
             audit.compare(f"steps[{index}]", step,
-                          step_summary(records, group_size, mask_truncated))
+                          step_summary(records, group_size, mask_truncated, iterations))
+            audit.compare(f"steps[{index}]", step, update_throughput(
+                step["tokens"], step["tokens_forwarded"], step["tokens_forwarded_real"],
+                step["update_seconds"]))
             recorded_rounds = step.get("generation_rounds") or []
             rounds = generation_rounds(records, group_size, evidence["config"]["seed"],
                                        step.get("step"))

@@ -296,7 +296,11 @@ def training_section(evidence: dict, pngs: dict[str, bytes]) -> str:
               f"{_fmt(mismatch.get('k3_kl'))}"),
              ("rollout_correction (cap)",
               f"{update.get('rollout_correction')} ({_fmt(update.get('rollout_correction_cap'))})"),
-             ("generation tokens / s", _fmt(rollout.get("generation_tokens_per_second")))]
+             ("generation tokens / s", _fmt(rollout.get("generation_tokens_per_second"))),
+             ("update: tokens trained / forwarded (padding share) / trained tokens per s",
+              f"{_fmt(update.get('trained_tokens'))} / {_fmt(update.get('tokens_forwarded'))} "
+              f"({_fmt(update.get('padding_fraction'))}) / "
+              f"{_fmt(update.get('update_tokens_per_second'))}")]
     facts += _shaping_facts(evidence)
     resources = evidence.get("resources") or {}
     if resources.get("device") == "cuda":
@@ -308,10 +312,20 @@ def training_section(evidence: dict, pngs: dict[str, bytes]) -> str:
     return (_h2("training", "Training and resources") + _table(["quantity", "value"],
                                                               [[_e(k), _e(v)] for k, v in facts])
             + _img(pngs, "steps", "reward, valid group ratio and KL per step")
+            + _update_steps_table(evidence)
             + _h2("stage-times", "Stage times")
             + _table(["stage", "seconds"], [[_e(n), f"{v:.2f}"] for n, v in stages]
                      + [["total", f"{sum(v for _, v in stages):.2f}"]])
             + _img(pngs, "stages", "stage time breakdown"))
+
+
+def _update_steps_table(evidence: dict) -> str:
+    """Per step, what the update computed and what it trained: padding is visible in every run."""
+    rows = [[_fmt(s.get("step")), _fmt(s.get("tokens")), _fmt(s.get("tokens_forwarded")),
+             _fmt(s.get("padding_fraction")), _fmt(s.get("update_seconds")),
+             _fmt(s.get("update_tokens_per_second"))] for s in evidence.get("steps") or []]
+    return _table(["step", "tokens trained", "tokens forwarded (with padding)", "padding share",
+                   "update s", "trained tokens / s"], rows) if rows else ""
 
 
 def _shaping_facts(evidence: dict) -> list[tuple[str, str]]:

@@ -37,6 +37,8 @@ STEP_SCALARS = (
     ("time/verification_seconds", "verification_seconds"),
     ("time/update_seconds", "update_seconds"),
     ("throughput/generation_tokens_per_second", "generation_tokens_per_second"),
+    ("throughput/update_tokens_per_second", "update_tokens_per_second"),
+    ("update/padding_fraction", "padding_fraction"),
 )
 PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb",
             "trackio": "trackio"}

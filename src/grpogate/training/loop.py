@@ -29,7 +29,7 @@ from grpogate.config import RunConfig
 from grpogate.distributed import SINGLE, StageClock, World, agree_stop, shard
 from grpogate.evidence import decisions
 from grpogate.evidence.metrics import rollout_summary
-from grpogate.evidence.assemble import rollout_seed, step_summary
+from grpogate.evidence.assemble import rollout_seed, step_summary, update_throughput
 from grpogate.files import JsonlLog
 from grpogate.inputs.policy import Policy, current_version, reference_mode, sampling_weights
 from grpogate.inputs.tasks import Problem
@@ -325,7 +325,8 @@ def _finish_step(loop: Loop, state: LoopState, step: int, rollout: Rollout, upda
     """Record the step, checkpoint, then tell `on_step` and the terminal."""
     config = loop.config
     record, update_seconds = update_record
-    summary = step_summary(rollout.records, config.group_size, config.mask_truncated_completions)
+    summary = step_summary(rollout.records, config.group_size, config.mask_truncated_completions,
+                           config.num_iterations)
     state.steps.append({
         "step": step, "policy_version": rollout.version, **summary,
         "decode_path": rollout.decode_path, "generation_rounds": rollout.rounds,
@@ -335,7 +336,8 @@ def _finish_step(loop: Loop, state: LoopState, step: int, rollout: Rollout, upda
         "rollout_seconds": rollout.rollout_seconds,
         "verification_seconds": rollout.verification_seconds,
         "update_seconds": update_seconds, "micro_batch_size": state.micro_batch_size,
-        **record.summary()})
+        **record.summary(), **update_throughput(record.tokens, record.forwarded_tokens,
+                                                record.forwarded_real_tokens, update_seconds)})
     state.seconds["update"] += update_seconds
     state.trajectories_offset = rollout.log_offset
     state.next_step = step + 1
