@@ -284,3 +284,47 @@ def test_decode_bound_records_the_rollout_it_times_without_changing_it(tiny_conf
     assert all(seconds > 0 for _, _, seconds in log)
     # every token after the prefill's first one came from a decode step on a row that held it
     assert sum(len(c.completion_token_ids) for c in timed) <= 24 + sum(rows)
+
+
+def test_update_bound_counts_useful_and_executed_work_by_hand():
+    """The hand batch of test_packing: prompts of 20 and 15 tokens (10 shared), completions
+    of 4, 2 / 6, 1 tokens, one micro-batch."""
+    import update_bound
+    from test_packing import hand_batch
+
+    from grpogate.training.batching import ForwardShape
+    from grpogate.training.update import UpdateSettings
+
+    shape, settings = ForwardShape(per_token=1000, per_pair=0, per_logit=100), UpdateSettings()
+    padded = update_bound.work_counts(hand_batch(), settings, shape, "padded", 2)
+    packed = update_bound.work_counts(hand_batch(), settings, shape, "packed", 2)
+    # useful: 20 + 15 prompt tokens + 3 + 1 + 5 + 0 completion inputs = 44; 13 predicted tokens
+    assert padded["useful"] == packed["useful"] == [44, 13]
+    assert padded["micro_batches"] == [(44, 13)]
+    # padded: 2 x 32 + 4 x 15 = 124 positions, 4 x 16 = 64 logits (real: 44 and 13);
+    # packed: 34 real positions padded to 48, logits at 11 distinct positions (all real)
+    assert (padded["executed"], padded["executed_real"]) == ([124, 64], [44, 13])
+    assert (packed["executed"], packed["executed_real"]) == ([48, 11], [34, 11])
+    # 2 x 3 passes x (44 x 1000 + 13 x 100) = 271,800
+    assert update_bound.flops([44, 13], shape, 3) == 271_800
+
+
+def test_update_bound_runs_on_a_recorded_tiny_run(tiny_model_dir, tmp_path):
+    from synthetic_run import write_synthetic_run
+
+    run_dir = write_synthetic_run(tmp_path)  # 2 steps of 2 prompts x G = 4, rewards recorded
+    out = tmp_path / "bound.json"
+    command = [sys.executable, str(BENCH / "update_bound.py"), "--run-dir", str(run_dir),
+               "--steps", "0", "--group-size", "4", "--rounds", "1", "--threads", "1",
+               "--layouts", "packed,padded", "--set", f"model={tiny_model_dir}", "--json", str(out)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for key in ("update_useful_peak_fraction", "update_padding_fraction", "update_seconds",
+                "ideal_seconds"):
+        assert report[key] > 0
+    packed, padded = report["layouts"]["packed"], report["layouts"]["padded"]
+    assert report["layout"] == "packed" and report["update_seconds"] == packed["update_seconds"]
+    assert packed["tokens_trained"] == padded["tokens_trained"] > 0  # the same groups trained
+    assert packed["update_padding_fraction"] < padded["update_padding_fraction"]
+    assert packed["tokens_forwarded"] < padded["tokens_forwarded"]
