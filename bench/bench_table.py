@@ -35,6 +35,11 @@ def system_row(result: dict, reward: float | None, ideal_tokens_per_second: floa
                                              ideal_tokens_per_second),
         "effective_trajectories_per_second_wall": safe_div(
             result["effective_trajectory_count"], sum(st["seconds"] for st in steps)),
+        # grpogate: its update stage; TRL: the step minus its generation (reward, log-prob
+        # forwards, backward and optimizer step: it has no separate update timer).
+        "update_share_of_step": (safe_div(sum(st["update_seconds"] for st in steps),
+                                          sum(st["seconds"] for st in steps))
+                                 if steps and all("update_seconds" in st for st in steps) else None),
     }
 
 
@@ -113,6 +118,7 @@ ROWS = [("seconds per step", "seconds_per_step", "{:.1f}"),
         ("generation peak fraction", "generation_peak_fraction", "{:.3f}"),
         ("effective trajectories/s", "effective_trajectories_per_second", "{:.3f}"),
         ("  same, over wall seconds", "effective_trajectories_per_second_wall", "{:.3f}"),
+        ("update share of step time", "update_share_of_step", "{:.2f}"),
         ("peak resident memory GiB", "peak_rss_bytes", "{:.2f}"),
         ("held-out mean reward", "heldout_mean_reward", "{:.3f}")]
 

@@ -137,7 +137,7 @@ def run_grpogate(spec: dict, out_dir: Path) -> dict:
         stage_seconds = record["rollout_seconds"] + record["verification_seconds"] + record["update_seconds"]
         wall = clock.ends.get(index, 0.0) - clock.starts.get(index, 0.0)
         steps.append({"step": index, "seconds": wall if wall > 0 else stage_seconds,
-                      "stage_seconds": stage_seconds,
+                      "stage_seconds": stage_seconds, "update_seconds": record["update_seconds"],
                       "generation_seconds": record["rollout_seconds"],
                       "generated_tokens": record["generated_tokens"],
                       "valid_group_count": record["valid_group_count"],

@@ -136,6 +136,8 @@ def run_trl(config, train: list, load_dir: str, settings: dict, out_dir: Path,
         valid, groups = valid_groups(reward_batches[k])
         steps.append({"step": k, "seconds": step_seconds[k],
                       "generation_seconds": generations[k]["seconds"],
+                      # everything of the step but generation: reward, forwards, backward, optimizer
+                      "update_seconds": step_seconds[k] - generations[k]["seconds"],
                       "generated_tokens": generations[k]["tokens"], "valid_group_count": valid,
                       "group_count": groups,
                       "mean_reward": statistics.fmean(r for _, r in reward_batches[k]),

@@ -328,3 +328,12 @@ def test_update_bound_runs_on_a_recorded_tiny_run(tiny_model_dir, tmp_path):
     assert packed["tokens_trained"] == padded["tokens_trained"] > 0  # the same groups trained
     assert packed["update_padding_fraction"] < padded["update_padding_fraction"]
     assert packed["tokens_forwarded"] < padded["tokens_forwarded"]
+
+
+def test_update_share_is_update_seconds_over_step_seconds():
+    result = _result([10.0, 30.0], 100.0, 1.0, 1.0, valid_groups=2)
+    result["steps"][0]["update_seconds"], result["steps"][1]["update_seconds"] = 6.0, 14.0
+    # (6 + 14) / (10 + 30) = 0.5
+    assert bench_table.system_row(result, None, 1.0)["update_share_of_step"] == 0.5
+    # a result without the per-step update seconds (an older table) shows no share
+    assert bench_table.system_row(_result([10.0], 1.0, 1.0, 1.0, 1), None, 1.0)["update_share_of_step"] is None
