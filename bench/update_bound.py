@@ -44,8 +44,11 @@ def recorded_rollouts(run_dir: str, tokenizer, system_prompt: str, max_prompt_to
     from grpogate.sampling.rollout import encode_prompts
 
     problems_path = Path(run_dir) / "problems.jsonl"
-    train, _ = problems_from_records(list(enumerate(read_jsonl(problems_path), 1)),
-                                     str(problems_path))
+    if problems_path.exists():
+        train, _ = problems_from_records(list(enumerate(read_jsonl(problems_path), 1)),
+                                         str(problems_path))
+    else:  # a run from before problems.jsonl: its task regenerated from its own config
+        train = _regenerated_train_set(Path(run_dir))
     prompts = dict(zip([p.prompt_id for p in train],
                        encode_prompts(tokenizer, train, system_prompt, max_prompt_tokens)))
     by_step: dict[int, list[dict]] = {}
@@ -62,6 +65,25 @@ def recorded_rollouts(run_dir: str, tokenizer, system_prompt: str, max_prompt_to
         rollouts.append(([prompts[r["prompt_id"]] for r in records], completions,
                          [float(r["reward"]) for r in records]))
     return rollouts
+
+
+def _regenerated_train_set(run_dir):
+    """The train problems of a run without problems.jsonl: its task, sizes and seed as its
+    evidence records them (prompt ids are question hashes, so a mismatch cannot pass)."""
+    from grpogate.config import load_config
+    from grpogate.pipeline import load_problem_sets
+
+    recorded = json.loads((run_dir / "evidence.json").read_text())["config"]
+    task = recorded["task"]
+    overrides = [f"task.{key}={json.dumps(value)}" for key, value in task.items()
+                 if key != "params" and isinstance(value, (str, int, float, bool))]
+    overrides += [f"task.params.{key}={json.dumps(value)}"
+                  for key, value in (task.get("params") or {}).items()]
+    config = load_config("default", overrides=overrides, train_prompts=recorded["train_prompts"],
+                         prompts_per_step=recorded["prompts_per_step"],
+                         eval_prompts=recorded["eval_prompts"], seed=recorded["seed"])
+    train, _, _, _ = load_problem_sets(config)
+    return train
 
 
 def sampled_rollouts(policy, config, steps: int) -> list[tuple[list, list, list]]:
@@ -185,12 +207,12 @@ def time_updates(policy, config, batches, layouts: list[str], rounds: int) -> di
     base = UpdateSettings.from_config(config)
     results = {layout: {"seconds": [], "tokens": 0, "forwarded": 0, "forwarded_real": 0}
                for layout in layouts}
-    for round_index in range(rounds + 1):  # round 0 warms every layout up, not counted
+    for round_index in range(rounds + 1):  # round 0 warms every layout up on one step, not counted
         order = layouts[round_index % len(layouts):] + layouts[:round_index % len(layouts)]
         for layout in order:
             settings = dataclasses.replace(base, layout=layout)
             spent = 0.0
-            for batch in batches:
+            for batch in (batches if round_index else batches[:1]):
                 optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate)
                 snapshot = TrainingSnapshot.take(parameters, optimizer)
                 started = time.perf_counter()
