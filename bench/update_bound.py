@@ -19,7 +19,8 @@ Counted from the real token counts (linear maps only; attention is not a matmul 
 - executed FLOPs: the same over the positions and logits the layout really computed;
 - ideal seconds: the useful work's matrix products alone (forward x W^T and input-gradient x W
   per micro-batch), timed here with random weights of the model's shapes in every fast dtype
-  the CPU has, best of a few rounds, fastest dtype kept.
+  the CPU has, with F.linear and on weights prepacked for oneDNN, best of a few rounds, the
+  fastest kernel kept (so a faster kernel in the update could never flatter the fraction).
 `update_useful_peak_fraction` = ideal seconds / update seconds (= useful FLOP/s over the ideal's
 FLOP/s); `update_padding_fraction` = the executed FLOPs' share spent on padding positions and
 padding logits. A layout that shares the prompts' common prefix across groups executes less
@@ -168,29 +169,37 @@ def ideal_seconds(linear_shapes, micro_batches: list[tuple[int, int]], passes: i
 
     from grpogate.sampling.decoding import bf16_kernels_available
 
+    from grpogate.sampling.decoding import linear
+
     dtypes = [torch.float32] + ([torch.bfloat16] if bf16_kernels_available() else [])
     generator = torch.Generator().manual_seed(0)
     measured = {}
-    for dtype in dtypes:
+    for dtype, packed in [(d, p) for d in dtypes for p in (False, True)]:
+        if packed and not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+            continue
         weights = [(torch.randn(out, inp, generator=generator) * 0.02).to(dtype)
                    for inp, out in linear_shapes]
         head = len(weights) - 1  # the LM head is the model's last linear map
         inputs = [(torch.randn(rows if i != head else logits, w.shape[1]).to(dtype),
                    torch.randn(rows if i != head else logits, w.shape[0]).to(dtype))
                   for rows, logits in micro_batches for i, w in enumerate(weights)]
-        pairs = list(zip(weights * len(micro_batches), inputs))
+        # forward x W^T with W [out, in]; input gradient g W = linear(g, W^T), W^T [in, out]
+        kernels = [(torch.ops.mkldnn._reorder_linear_weight(w),
+                    torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous())) if packed
+                   else (w, w.t().contiguous()) for w in weights]
+        pairs = list(zip(kernels * len(micro_batches), inputs))
         best = float("inf")
         with torch.inference_mode():
             for _ in range(rounds + 1):  # the first round warms the kernels up
                 started = time.perf_counter()
-                for weight, (x, grad) in pairs:
+                for (forward, backward), (x, grad) in pairs:
                     for _ in range(passes - 1):
-                        torch.nn.functional.linear(x, weight)  # [rows, in] -> [rows, out]
-                    torch.mm(grad, weight)  # [rows, out] -> [rows, in]: the input gradient
+                        linear(x, forward, None)  # [rows, in] -> [rows, out]
+                    linear(grad, backward, None)  # [rows, out] -> [rows, in]: input gradient
                 best = min(best, time.perf_counter() - started)
-        measured[str(dtype).removeprefix("torch.")] = best
+        measured[f"{str(dtype).removeprefix('torch.')}{', oneDNN prepacked' if packed else ''}"] = best
     fastest = min(measured, key=measured.get)
-    return {"seconds": measured[fastest], "dtype": fastest, "by_dtype": measured}
+    return {"seconds": measured[fastest], "kernel": fastest, "by_kernel": measured}
 
 
 def time_updates(policy, config, batches, layouts: list[str], rounds: int) -> dict:

@@ -351,3 +351,20 @@ def test_update_token_counts_are_recounted_from_the_trajectories(run_dir):
     mismatches = {m["field"]: m for m in audit_run(run_dir)["mismatches"]}
     assert mismatches["steps[1].tokens"]["recorded"] == mismatches["steps[1].tokens"]["recomputed"] + 5
     assert mismatches["steps[1].padding_fraction"]["recomputed"] == 0.375
+
+
+def test_evidence_from_before_the_forwarded_counts_still_decides(run_dir):
+    """Runs recorded before tokens_forwarded existed: no such fields anywhere, the audit agrees
+    (their `tokens` are still recounted)."""
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    for step in evidence["steps"]:
+        for key in ("tokens_forwarded", "tokens_forwarded_real", "padding_fraction",
+                    "update_tokens_per_second"):
+            del step[key]
+    for key in ("tokens_forwarded", "tokens_forwarded_real", "padding_fraction",
+                "update_tokens_per_second"):
+        del evidence["update"][key]
+    atomic_write_json(run_dir / "evidence.json", evidence)
+    trajectories = read_jsonl(run_dir / "trajectories.jsonl")
+    atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))
+    assert audit_run(run_dir)["mismatches"] == []

@@ -175,8 +175,13 @@ def update_section(config: dict, steps: list[dict], seconds: dict, micro_batch_s
     """The update totals over the per-step records (token-weighted KL, clip fraction, entropy
     and sampler-trainer mismatch; the largest mismatch of any step)."""
     tokens = sum(s["tokens"] for s in steps)
-    forwarded = sum(s.get("tokens_forwarded", 0) for s in steps)
-    forwarded_real = sum(s.get("tokens_forwarded_real", 0) for s in steps)
+    forwarded = {}
+    if any("tokens_forwarded" in s for s in steps):  # absent from evidence written before them
+        counts = [sum(s.get(key, 0) for s in steps)
+                  for key in ("tokens_forwarded", "tokens_forwarded_real")]
+        # Padding included: forwarded - forwarded_real positions were computed for nothing.
+        forwarded = {"tokens_forwarded": counts[0], "tokens_forwarded_real": counts[1],
+                     **update_throughput(tokens, *counts, seconds["update"])}
     maxima = [s["mismatch_max_abs_logp"] for s in steps
               if s.get("mismatch_max_abs_logp") is not None]
     return {
@@ -195,9 +200,7 @@ def update_section(config: dict, steps: list[dict], seconds: dict, micro_batch_s
         "learning_rate": config["learning_rate"], "optimizer": "AdamW",
         "max_grad_norm": config["max_grad_norm"],
         "trained_sequences": sum(s["sequences"] for s in steps), "trained_tokens": tokens,
-        # Padding included: forwarded - forwarded_real positions were computed for nothing.
-        "tokens_forwarded": forwarded, "tokens_forwarded_real": forwarded_real,
-        **update_throughput(tokens, forwarded, forwarded_real, seconds["update"]),
+        **forwarded,
         # Forwarded with their group but adding no loss: they hit max_new_tokens.
         "mask_truncated_completions": config.get("mask_truncated_completions", False),
         "masked_truncated_sequences": sum(s.get("masked_truncated_sequences", 0) for s in steps),
