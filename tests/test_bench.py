@@ -337,3 +337,14 @@ def test_update_share_is_update_seconds_over_step_seconds():
     assert bench_table.system_row(result, None, 1.0)["update_share_of_step"] == 0.5
     # a result without the per-step update seconds (an older table) shows no share
     assert bench_table.system_row(_result([10.0], 1.0, 1.0, 1.0, 1), None, 1.0)["update_share_of_step"] is None
+
+
+def test_lora_adds_no_activation_copy_in_float32(tiny_model_dir):
+    command = [sys.executable, str(BENCH / "lora_casts.py"), "--model", str(tiny_model_dir),
+               "--dtypes", "float32"]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    counts = json.loads(finished.stdout)["float32"]
+    on, off = counts["adapter_on"], counts["adapter_off"]
+    extra, extra_scalar = on["copies"] - off["copies"], on["scalar_copies"] - off["scalar_copies"]
+    assert extra == extra_scalar == counts["lora_layers"]  # one 0-dim copy per LoRA layer, no more
