@@ -270,6 +270,7 @@ def main() -> None:
                          train_prompts=args.prompts * max(args.steps, 1),
                          group_size=args.group_size, max_new_tokens=args.max_new_tokens)
     policy = load_policy(config, seed=config.seed)
+    policy.model.eval()  # as in a run, where the rollout's generate_completions sets it
     eos = policy.tokenizer.eos_token_id
     rollouts = (recorded_rollouts(args.run_dir, policy.tokenizer, config.resolved_system_prompt(),
                                   config.max_prompt_tokens, eos, args.steps)
