@@ -342,7 +342,7 @@ class LeanStepper:
         set (`shared_prefix_length` of all train or eval prompts) so that a prompt's numerics
         do not depend on which prompts share its batch or rank; default: this batch's."""
         dec = self.decoder
-        n, rows = len(prompts), len(prompts) * group_size
+        rows = len(prompts) * group_size
         dtype, device = dec.embed.dtype, dec.embed.device
         shared = shared_prefix_length(prompts) if shared is None else min(
             shared, shared_prefix_length(prompts))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpogate.sampling.decoding import ROW_BUCKET, make_stepper, round_up, shared_prefix_length
+from grpogate.sampling.decoding import ROW_BUCKET, make_stepper, round_up
 from grpogate.config import RunConfig
 from grpogate.errors import InputError
 from grpogate.evidence.assemble import prompt_seed
