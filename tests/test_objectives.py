@@ -79,13 +79,19 @@ SEQUENCE_CASES = {
 }
 
 
-@pytest.mark.parametrize("loss_type", sorted(TOKEN_CASES))
-def test_token_level_loss_and_gradient_by_hand(loss_type):
-    loss, grad, clipped = loss_and_grad(loss_type, "token")
-    expected_loss, expected_grad = TOKEN_CASES[loss_type]
+def assert_loss_and_grad(loss_type, level, expected):
+    """The loss and per-token gradient equal the hand-computed case; returns the clip mask."""
+    loss, grad, clipped = loss_and_grad(loss_type, level)
+    expected_loss, expected_grad = expected
     assert loss == pytest.approx(expected_loss, abs=1e-6)
     for row, expected_row in zip(grad, expected_grad):
         assert row == pytest.approx(expected_row, abs=1e-6)
+    return clipped
+
+
+@pytest.mark.parametrize("loss_type", sorted(TOKEN_CASES))
+def test_token_level_loss_and_gradient_by_hand(loss_type):
+    clipped = assert_loss_and_grad(loss_type, "token", TOKEN_CASES[loss_type])
     if loss_type == "cispo":  # only the positive-advantage ratio above 1 + eps_high is capped
         assert clipped == [[True, False, False], [False, False, False]]
     else:
@@ -94,11 +100,7 @@ def test_token_level_loss_and_gradient_by_hand(loss_type):
 
 @pytest.mark.parametrize("loss_type", sorted(SEQUENCE_CASES))
 def test_sequence_level_loss_and_gradient_by_hand(loss_type):
-    loss, grad, clipped = loss_and_grad(loss_type, "sequence")
-    expected_loss, expected_grad = SEQUENCE_CASES[loss_type]
-    assert loss == pytest.approx(expected_loss, abs=1e-6)
-    for row, expected_row in zip(grad, expected_grad):
-        assert row == pytest.approx(expected_row, abs=1e-6)
+    clipped = assert_loss_and_grad(loss_type, "sequence", SEQUENCE_CASES[loss_type])
     # the whole of sequence 1 is clipped (its one ratio is above 1.28), none of sequence 2
     assert clipped == [[True, True, False], [False, False, False]]
 
