@@ -246,7 +246,7 @@ def _sample_and_score(loop: Loop, state: LoopState, indexes: list[int], seed: in
 def _gather_round(world: World, mine: dict) -> tuple[list[Completion], list[dict], tuple]:
     """Every rank's groups in prompt order, and the verifier / reward errors of all ranks: the
     round as one process would have produced it."""
-    parts = world.all_gather_object(mine) if world.distributed else [mine]
+    parts = world.all_gather_object(mine)  # [mine] in a one-process world
     groups = sorted((group for part in parts for group in part["groups"]), key=lambda g: g[0])
     completions = [c for _, members, _ in groups for c in members]
     components = [values for _, _, members in groups for values in members]
