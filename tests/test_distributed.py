@@ -250,6 +250,16 @@ def test_shards_deal_prompts_round_robin():
     assert shard(5, World(rank=1, world_size=2)) == [1, 3]
 
 
+def test_gathered_shards_are_listed_in_prompt_order():
+    from grpogate.distributed import in_shard_order
+
+    # Rank 0 sampled prompts 0, 2, 4 and rank 1 prompts 1, 3: gathered rank by rank, listed
+    # 0, 1, 2, 3, 4 as one process would have sampled them (payloads travel with positions).
+    parts = [[(0, "a"), (2, "c"), (4, "e")], [(1, "b"), (3, "d")]]
+    assert in_shard_order(parts) == [(0, "a"), (1, "b"), (2, "c"), (3, "d"), (4, "e")]
+    assert in_shard_order([[(0, "a")]]) == [(0, "a")]  # one process: unchanged
+
+
 def test_merged_update_records_sum_counts_and_keep_maxima():
     from grpogate.training.data_parallel import merge_counts
 

@@ -164,6 +164,12 @@ def shard(count: int, world: World) -> list[int]:
     return list(range(world.rank, count, world.world_size))
 
 
+def in_shard_order(parts: list[list[tuple]]) -> list[tuple]:
+    """Every rank's (position, ...) items, gathered as `parts`, as one list in position order:
+    the sharded work listed as one process would have listed it."""
+    return sorted((item for part in parts for item in part), key=lambda item: item[0])
+
+
 def init_world() -> World:
     """Join the process group torchrun described in the environment, or the one-process world.
 

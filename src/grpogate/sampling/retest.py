@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 
 from grpogate.config import RunConfig
-from grpogate.distributed import SINGLE, World, agree_stop, shard
+from grpogate.distributed import SINGLE, World, agree_stop, in_shard_order, shard
 from grpogate.evidence.assemble import seeds
 from grpogate.inputs.policy import Policy, sampling_weights
 from grpogate.inputs.tasks import Problem
@@ -93,6 +93,4 @@ def _gathered(world: World, mine: list[dict], positions: list[int], group_size: 
         return mine
     groups = [(position, mine[j * group_size:(j + 1) * group_size])
               for j, position in enumerate(positions)]
-    parts = world.all_gather_object(groups)
-    return [r for _, members in sorted((g for part in parts for g in part), key=lambda g: g[0])
-            for r in members]
+    return [r for _, members in in_shard_order(world.all_gather_object(groups)) for r in members]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from rich.markup import escape
 
 from grpogate.config import RunConfig
-from grpogate.distributed import SINGLE, StageClock, World, agree_stop, shard
+from grpogate.distributed import SINGLE, StageClock, World, agree_stop, in_shard_order, shard
 from grpogate.evidence import decisions
 from grpogate.evidence.metrics import rollout_summary
 from grpogate.evidence.assemble import rollout_seed, step_summary, update_throughput
@@ -247,7 +247,7 @@ def _gather_round(world: World, mine: dict) -> tuple[list[Completion], list[dict
     """Every rank's groups in prompt order, and the verifier / reward errors of all ranks: the
     round as one process would have produced it."""
     parts = world.all_gather_object(mine)  # [mine] in a one-process world
-    groups = sorted((group for part in parts for group in part["groups"]), key=lambda g: g[0])
+    groups = in_shard_order([part["groups"] for part in parts])
     completions = [c for _, members, _ in groups for c in members]
     components = [values for _, _, members in groups for values in members]
     errors = tuple(sum(part["errors"][k] for part in parts) for k in (0, 1))
