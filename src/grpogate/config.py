@@ -355,10 +355,9 @@ PROFILE_NOTE_KEY = "note"
 def profile_note(name: str) -> str:
     """What a packaged profile is for, as its TOML's `note` says (the run's output and the
     report show it); "" for the default, a profile without one, or one no longer packaged."""
-    try:
-        note = _profile_document(name).get(PROFILE_NOTE_KEY, "")
-    except InputError:
+    if name not in available_profiles():
         return ""
+    note = _profile_document(name).get(PROFILE_NOTE_KEY, "")
     return note if isinstance(note, str) else ""
 
 
