@@ -167,9 +167,7 @@ def ideal_seconds(linear_shapes, micro_batches: list[tuple[int, int]], passes: i
     gradient), `passes` - 1 forwards and one input gradient. Best round counts."""
     import torch
 
-    from grpogate.sampling.decoding import bf16_kernels_available
-
-    from grpogate.sampling.decoding import linear
+    from grpogate.sampling.decoding import bf16_kernels_available, linear
 
     dtypes = [torch.float32] + ([torch.bfloat16] if bf16_kernels_available() else [])
     generator = torch.Generator().manual_seed(0)
@@ -180,9 +178,13 @@ def ideal_seconds(linear_shapes, micro_batches: list[tuple[int, int]], passes: i
         weights = [(torch.randn(out, inp, generator=generator) * 0.02).to(dtype)
                    for inp, out in linear_shapes]
         head = len(weights) - 1  # the LM head is the model's last linear map
-        inputs = [(torch.randn(rows if i != head else logits, w.shape[1]).to(dtype),
-                   torch.randn(rows if i != head else logits, w.shape[0]).to(dtype))
-                  for rows, logits in micro_batches for i, w in enumerate(weights)]
+        # One buffer per map at the most rows any micro-batch has; a micro-batch reads its
+        # leading rows (a contiguous view), so a whole run's shapes fit in memory.
+        most = max(max(rows, logits) for rows, logits in micro_batches)
+        buffers = [(torch.randn(most, w.shape[1]).to(dtype), torch.randn(most, w.shape[0]).to(dtype))
+                   for w in weights]
+        inputs = [(x[:n], g[:n]) for rows, logits in micro_batches
+                  for i, (x, g) in enumerate(buffers) for n in [rows if i != head else logits]]
         # forward x W^T with W [out, in]; input gradient g W = linear(g, W^T), W^T [in, out]
         kernels = [(torch.ops.mkldnn._reorder_linear_weight(w),
                     torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous())) if packed
@@ -237,6 +239,26 @@ def time_updates(policy, config, batches, layouts: list[str], rounds: int) -> di
             if round_index:
                 results[layout]["seconds"].append(spent)
     return results
+
+
+def format_table(report: dict) -> str:
+    """The report as a printed table, one row per layout, the headline under it."""
+    rollout, ideal = report["rollout"], report["ideal"]
+    lines = [f"rollout: {rollout['source']}, {rollout['steps']} steps, {rollout['valid_groups']} valid "
+             f"groups, {rollout['sequences']} sequences; {report['dtype']}, {report['passes']} passes",
+             f"ideal: {ideal['seconds']:.2f} s ({ideal['kernel']})",
+             "",
+             f"{'layout':<8} {'update s':>9} {'useful TFLOP':>13} {'executed TFLOP':>15} "
+             f"{'padding':>8} {'positions':>10} {'tokens/s':>9} {'peak fraction':>14}"]
+    for name, row in report["layouts"].items():
+        lines.append(f"{name:<8} {row['update_seconds']:>9.2f} {row['useful_tflop']:>13.4f} "
+                     f"{row['executed_tflop']:>15.4f} {row['update_padding_fraction']:>8.3f} "
+                     f"{row['tokens_forwarded']:>10} {row['update_tokens_per_second']:>9.1f} "
+                     f"{row['update_useful_peak_fraction']:>14.3f}")
+    lines += ["", f"update_useful_peak_fraction ({report['layout']}): "
+                  f"{report['update_useful_peak_fraction']:.3f} = ideal {report['ideal_seconds']:.2f} s "
+                  f"/ update {report['update_seconds']:.2f} s"]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -312,11 +334,10 @@ def main() -> None:
                    "ideal_seconds": round(ideal["seconds"], 3),
                    "update_useful_peak_fraction": headline["update_useful_peak_fraction"],
                    "update_padding_fraction": headline["update_padding_fraction"]})
-    text = json.dumps(report, indent=2)
-    print(text)
+    print(format_table(report))
     if args.json:
         with open(args.json, "w") as handle:
-            handle.write(text + "\n")
+            handle.write(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -328,6 +328,11 @@ def test_update_bound_runs_on_a_recorded_tiny_run(tiny_model_dir, tmp_path):
     assert packed["tokens_trained"] == padded["tokens_trained"] > 0  # the same groups trained
     assert packed["update_padding_fraction"] < padded["update_padding_fraction"]
     assert packed["tokens_forwarded"] < padded["tokens_forwarded"]
+    # the printed table: a row per layout and the headline, the same numbers as the JSON
+    rows = {line.split()[0]: line.split() for line in finished.stdout.splitlines() if line.split()}
+    assert rows["packed"][1] == f"{packed['update_seconds']:.2f}"
+    assert rows["padded"][-1] == f"{padded['update_useful_peak_fraction']:.3f}"
+    assert f"update_useful_peak_fraction (packed): {report['update_useful_peak_fraction']:.3f}" in finished.stdout
 
 
 def test_update_share_is_update_seconds_over_step_seconds():
