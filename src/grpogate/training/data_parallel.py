@@ -13,12 +13,13 @@ With one process each is the identity (no collective is called).
 
 from __future__ import annotations
 
-from grpogate.distributed import World
+from grpogate.distributed import World, shard
 
 
 def deal(world: World, items: list) -> list:
-    """This rank's share: items[rank], items[rank + world size], ..."""
-    return items[world.rank::world.world_size]
+    """This rank's share: items[rank], items[rank + world size], ... — the round-robin rule
+    the rollout shards its prompts by (`distributed.shard`)."""
+    return [items[k] for k in shard(len(items), world)]
 
 
 def run_agreed(world: World, work, kind_of) -> tuple[BaseException | None, tuple | None]:
