@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -164,9 +165,14 @@ class _Step:
     iteration: int = 0  # which pass over the rollout
     world: World = SINGLE  # which micro-batches this process runs (`_dealt`)
 
+    @functools.cached_property
+    def shape(self) -> ForwardShape:
+        """The model's forward cost, which `pack` weighs layouts by: once per update."""
+        return ForwardShape.of(self.model.config)
+
     def pack(self, micro: list[int]) -> PackedGroups | PackedRow:
         return pack_rows(self.batch, micro, self.pad_id, self.device, self.settings.layout,
-                         ForwardShape.of(self.model.config))
+                         self.shape)
 
     def logprobs(self, packed: PackedGroups | PackedRow, micro: list[int],
                  entropy: list | None = None):
