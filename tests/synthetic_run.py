@@ -89,7 +89,7 @@ def write_synthetic_run(root: Path, **gates) -> Path:
         gates=dataclasses.replace(Gates(), **gates)))
     train, train_id, eval_set, eval_id = load_problem_sets(config)
     verifier = get_verifier(config.resolved_verifier())
-    reward_set = reward_set_from_config(config.to_dict(), verifier.version)
+    reward_set = reward_set_from_config(config.to_dict(), verifier.version, importable=None)
     answers = {q: a for q, a in TRAIN_QUESTIONS + EVAL_QUESTIONS}
     run_dir.mkdir()
 

@@ -186,7 +186,10 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
         with progress_bars() if world.is_main else contextlib.nullcontext() as progress:
             reporter = RichReporter(progress) if world.is_main else NullReporter()
             if resume is not None:
-                evidence = pipeline.resume(resume, config, reporter, world)
+                from grpogate.config import rewards_named_by
+
+                evidence = pipeline.resume(resume, config, reporter, world,
+                                           reward_code=rewards_named_by(config_file, overrides))
             else:
                 evidence = pipeline.run(config, reporter, world)
     except InputError as error:
@@ -284,18 +287,30 @@ def decide(
     verify_key: Optional[str] = typer.Option(
         None, "--verify-key", metavar="PUB",
         help="Also verify RUN_DIR/run.sig (grpogate sign) with this PEM public key."),
+    trust_reward_code: list[str] = typer.Option(
+        [], "--trust-reward-code", metavar="MODULE:FUNCTION",
+        help="Re-score this user reward by importing and running it (it must be importable "
+        "here, outside RUN_DIR, and its source must hash to the version the run recorded). "
+        "Without it a user reward's values are taken as recorded: decide never runs code a run "
+        "directory names. Repeat for several."),
+    max_rescore: Optional[int] = typer.Option(
+        None, "--max-rescore", metavar="N", min=0,
+        help="Re-run the verifier (and trusted reward code) on a random sample of N records "
+        "only; the others' values are taken as recorded (the seed is printed)."),
 ) -> None:
     """Re-check a finished run from its files alone and print the decision.
 
     Recomputes every quantity the trajectories and re-test files determine, re-runs the verifier
     on every stored completion, checks every hash the manifest records and re-runs the decision.
+    The run directory is data: no code it names is run (see --trust-reward-code).
     Exit codes: 0 the audit agrees with the run's own decision and nothing mismatches; 4 reject
     because something mismatches (the fields are named); 2 not a readable run directory.
     """
     from grpogate.evidence.audit import audit_run
 
     try:
-        audit = audit_run(run_dir)
+        audit = audit_run(run_dir, trusted_rewards=trust_reward_code, max_rescore=max_rescore,
+                          announce=lambda line: typer.echo(f"decide: {line}", err=True))
         if replay:
             from grpogate.replay import apply_replay, replay_retest
 
@@ -322,6 +337,9 @@ def decide(
                           f"(default {gate['default']!r})", soft_wrap=True)
         if audit.get("signature", {}).get("verified"):
             console.print(f"signature: run.sig verifies with {escape(verify_key)}", soft_wrap=True)
+        if audit.get("rescoring"):
+            console.print(rescoring_line(audit["rescoring"]), soft_wrap=True, markup=False,
+                          highlight=False)
         if "replay" in audit:
             from grpogate.replay import replay_summary
 
@@ -339,6 +357,23 @@ def decide(
         console.print(f"decision: [{style}]{audit['decision']}[/] ({verdict})")
     if not audit["agrees"]:
         raise typer.Exit(DECISION_EXIT_CODES["reject"])
+
+
+def rescoring_line(rescoring: dict) -> str:
+    """What decide re-scored and what it took as recorded, in one line."""
+    def names(key: str) -> str:  # names come from the run directory: shown as text
+        return ", ".join(n if n.isprintable() else ascii(n) for n in map(str, rescoring[key]))
+
+    line = f"re-scored: {names('components_rescored')}"
+    if rescoring["components_as_recorded"]:
+        line += (f"; taken as recorded (user code, not run): "
+                 f"{names('components_as_recorded')} (re-score with "
+                 "--trust-reward-code MODULE:FUNCTION)")
+    if rescoring["sample_seed"] is not None:
+        line += (f"; verifier re-run on {rescoring['records_rescored']} of "
+                 f"{rescoring['records']} records (random sample, seed {rescoring['sample_seed']}),"
+                 " the others' values taken as recorded")
+    return line
 
 
 def _short(value, limit: int = 80) -> str:

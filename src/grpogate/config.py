@@ -185,6 +185,13 @@ def step_count(train_prompts: int, prompts_per_step: int) -> int:
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 BUILT_IN_REWARDS = ("correctness", "format", "overlong")  # inputs/rewards.py implements them
 USER_REWARD_PATH = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
+# Bounds that keep every reward total finite in float64: a component's value within +-1e6 (a user
+# function's beyond it scores 0 and is counted) times a weight within +-1e6 is at most 1e12, a
+# total over a few components ~1e13, its square in a group variance ~1e26 -- far from 1.8e308.
+# Nothing useful lies beyond: a weight 1e6 times another already drowns the smaller component
+# below float32's 7 significant digits, where the update computes.
+MAX_REWARD_WEIGHT = 1e6
+MAX_REWARD_VALUE = 1e6
 
 
 def _validate_rewards(config: RunConfig, need) -> None:
@@ -203,6 +210,8 @@ def _validate_rewards(config: RunConfig, need) -> None:
              "'module:function' path")
         need(isinstance(weight, (int, float)) and not isinstance(weight, bool)
              and math.isfinite(weight), f"{where}.weight must be a finite number (got {weight!r})")
+        need(abs(weight) <= MAX_REWARD_WEIGHT, f"{where}.weight must be within "
+             f"+-{MAX_REWARD_WEIGHT:g} (got {weight!r}) so that reward totals stay finite")
         need(name not in names, f"{where}.name {name!r} appears twice")
         names.append(name)
         entry.setdefault("weight", 1.0)
@@ -214,8 +223,10 @@ def _validate_rewards(config: RunConfig, need) -> None:
         need(0 < config.overlong_buffer_len <= config.max_new_tokens,
              f"overlong_buffer_len must be in [1, max_new_tokens={config.max_new_tokens}] "
              f"(got {config.overlong_buffer_len})")
-    need(math.isfinite(config.overlong_penalty_factor) and config.overlong_penalty_factor >= 0,
-         "overlong_penalty_factor must be a finite number >= 0")
+    need(math.isfinite(config.overlong_penalty_factor)
+         and 0 <= config.overlong_penalty_factor <= MAX_REWARD_VALUE,
+         f"overlong_penalty_factor must be a number in [0, {MAX_REWARD_VALUE:g}] (a component's "
+         "value bound, so that reward totals stay finite)")
     need(math.isfinite(config.reward_time_limit_seconds) and config.reward_time_limit_seconds > 0,
          "reward_time_limit_seconds must be a finite number > 0")
 
@@ -570,3 +581,12 @@ def resume_config(stored: dict, where: str, profile: str | None = None, config_f
                          f"{'; '.join(changed)}. A resumed run uses its stored config unchanged; "
                          "start a new run (new --label) to change it")
     return validate(config)
+
+
+def rewards_named_by(config_file: str = "", overrides: list[str] = ()) -> list[str]:
+    """The `module:function` rewards the user's own --config FILE and --set options name: the
+    only reward code `run --resume` may import (the run directory's stored config is data)."""
+    config = RunConfig()
+    _apply_sources(config, config_file, "", overrides, {})
+    return [entry["name"] for entry in config.rewards if isinstance(entry, dict)
+            and isinstance(entry.get("name"), str) and USER_REWARD_PATH.fullmatch(entry["name"])]

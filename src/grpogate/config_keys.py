@@ -49,10 +49,13 @@ KEY_HELP = {
     "generation_batch_size": "rows decoded together (prompts x G)",
     "dynamic_sampling": "DAPO: refill a step's shortfall of valid groups with new prompts",
     "max_generation_rounds": "dynamic sampling: at most this many rounds of generation per step",
-    "rewards": "trained reward components [{name, weight}]: correctness, format, overlong, module:function",
+    "rewards": "trained reward components [{name, weight}]: correctness, format, overlong, "
+               "module:function; |weight| <= 1e6 and a component's value within +-1e6, so totals "
+               "and their group variance stay finite (a 1e6:1 weight ratio already drowns the "
+               "smaller component in float32)",
     "multi_objective_aggregation": "sum_then_normalize, or normalize_then_sum (GDPO)",
     "overlong_buffer_len": "DAPO soft overlong punishment over the budget's last N tokens",
-    "overlong_penalty_factor": "the overlong punishment reached at the budget's last token",
+    "overlong_penalty_factor": "the overlong punishment reached at the budget's last token (0 to 1e6)",
     "reward_time_limit_seconds": "time limit per call of a user module:function reward",
     "lora_r": "LoRA rank of the trained adapter",
     "lora_alpha": "LoRA scaling numerator (scale = alpha / r)",

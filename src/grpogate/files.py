@@ -17,6 +17,7 @@ import math
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -257,6 +258,39 @@ def create_run_dir(path: Path) -> Path:
     return path
 
 
+# --- reading a run directory someone else wrote ------------------------------------------------
+
+def confined_file(root: str | Path, name: str) -> Path:
+    """`root/name` resolved, when it is a regular file inside `root` (a symlink may point
+    within the run directory, never out of it); InputError naming `name` and why otherwise.
+    Checked with stat before anything opens it: a FIFO, a device or a folder is refused, never
+    read (opening a FIFO would block forever)."""
+    base = Path(root).resolve()
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise InputError(f"{name!r}: not a relative path inside the run directory")
+    path = (base / name).resolve()
+    if not path.is_relative_to(base):
+        raise InputError(f"{name}: escapes the run directory")
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        raise InputError(f"{name}: missing") from None
+    if not stat.S_ISREG(mode):
+        raise InputError(f"{name}: not a regular file (a folder, FIFO, socket or device)")
+    return path
+
+
+def read_confined(root: str | Path, name: str) -> bytes:
+    """The bytes of `confined_file(root, name)`, opened without blocking and checked again on
+    the open descriptor (a file swapped for a FIFO after the check is refused, not waited on)."""
+    path = confined_file(root, name)
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    with os.fdopen(descriptor, "rb") as stream:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise InputError(f"{name}: not a regular file (a folder, FIFO, socket or device)")
+        return stream.read()
+
+
 # --- safetensors, read without torch -----------------------------------------------------------
 # The audit recomputes a policy version from the adapter file itself, so it must read the
 # tensors without torch. The format (huggingface/safetensors): an 8-byte little-endian header
@@ -286,18 +320,20 @@ def tensors_digest(entries) -> str:
 
 def read_safetensors(path: str | Path) -> dict[str, tuple[str, tuple[int, ...], memoryview]]:
     """{name: (torch dtype name, shape, bytes)} of a safetensors file; InputError (naming the
-    file and what is wrong) for an empty, truncated or malformed one."""
+    file and what is wrong) for an empty, truncated or malformed one. The messages quote no
+    byte of the file: a file that is not safetensors may be anything (a key, /etc/passwd)."""
     data = Path(path).read_bytes()
     if len(data) < 8:
         raise InputError(f"{path}: not a safetensors file ({len(data)} bytes; truncated or empty)")
     header_size = int.from_bytes(data[:8], "little")
     if header_size > min(MAX_SAFETENSORS_HEADER, len(data) - 8):
-        raise InputError(f"{path}: truncated or not a safetensors file (header of "
-                         f"{header_size} bytes in a file of {len(data)})")
+        raise InputError(f"{path}: truncated or not a safetensors file (its header length "
+                         f"field exceeds the file of {len(data)} bytes)")
     try:
         header = json.loads(data[8:8 + header_size].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        raise InputError(f"{path}: malformed safetensors header ({error})") from None
+        raise InputError(f"{path}: malformed safetensors header "
+                         f"({type(error).__name__})") from None
     if not isinstance(header, dict):
         raise InputError(f"{path}: malformed safetensors header (not a JSON object)")
     buffer = memoryview(data)[8 + header_size:]

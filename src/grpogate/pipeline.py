@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Collection
 
 import torch
 
@@ -49,9 +50,9 @@ from grpogate.inputs.budget import check_output_writable
 from grpogate.inputs.policy import (Policy, check_adapter_dir, current_version, default_cache_dir,
                                     load_policy, resolve_base_model, save_adapter,
                                     trainable_parameters)
-from grpogate.inputs.rewards import RewardSet, reward_set_from_config
+from grpogate.inputs.rewards import RewardSet, reward_set_from_config, user_reward_names
 from grpogate.inputs.tasks import Problem
-from grpogate.inputs.verifiers import get_verifier
+from grpogate.inputs.verifiers import check_references, get_verifier
 from grpogate.interrupts import RunInterrupted, StopRequest, stop_on_signals
 from grpogate.preflight import check_budget, dry_run_checks
 from grpogate.sampling.retest import retest_both
@@ -103,12 +104,18 @@ def load_problem_sets(config: RunConfig) -> tuple[list[Problem], dict, list[Prob
     return tasks.load_problem_sets(config.task, config.train_prompts, config.eval_prompts)
 
 
-def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:
+def admit(config: RunConfig, resume_dir: Path | None = None,
+          reward_code: Collection[str] | None = None) -> Admission:
     """Check config, inputs and environment; raises InputError before anything is written.
 
     A new run refuses an existing output path; a resumed run (`resume_dir`) reuses its own.
+    `reward_code`: the user rewards (`module:function`) the user named on this command line;
+    None when `config` is the user's own. A resumed run's config comes from its directory:
+    every user reward in it must be named again, or nothing of it is imported.
     """
     run_dir = resume_dir or run_dir_for(config)
+    if reward_code is not None:
+        refuse_unnamed_reward_code(config, reward_code, run_dir)
     if resume_dir is None:
         refuse_existing_output(run_dir)
         refuse_output_inside_a_run(run_dir)
@@ -131,12 +138,25 @@ def admit(config: RunConfig, resume_dir: Path | None = None) -> Admission:
         verifier = get_verifier(config.resolved_verifier())
     except ValueError as error:
         raise InputError(f"verifier: {error}") from None
+    check_references(verifier, train + eval_set)
     try:
-        reward_set = reward_set_from_config(config.to_dict(), verifier.version)
+        reward_set = reward_set_from_config(config.to_dict(), verifier.version,
+                                            importable=reward_code)
     except ValueError as error:
         raise InputError(f"config: rewards: {error}") from None
     return Admission(config, run_dir, model_spec, revision, adapter, verifier, reward_set, train,
                      eval_set, train_id, eval_id, baseline_version)
+
+
+def refuse_unnamed_reward_code(config: RunConfig, reward_code: Collection[str],
+                               run_dir: Path) -> None:
+    """InputError when the stored config names user reward code the user did not name."""
+    unnamed = [name for name in user_reward_names(config.rewards) if name not in reward_code]
+    if unnamed:
+        raise InputError(
+            f"{run_dir}: the run's rewards name user code ({', '.join(unnamed)}); --resume "
+            "imports only reward code you name: pass --config FILE (or --set 'rewards=[...]') "
+            "with the same rewards as the run")
 
 
 def dry_run(config: RunConfig) -> dict:
@@ -193,16 +213,19 @@ def run(config: RunConfig, reporter=None, world: World = SINGLE) -> dict:
         reporter = reporter or NullReporter()
         reporter.log(f"restarted by torchrun (restart {world.restart_count}): resuming "
                      f"{run_dir_for(config)}")
-        return resume(run_dir_for(config), config, reporter, world)
+        return resume(run_dir_for(config), config, reporter, world,
+                      reward_code=user_reward_names(config.rewards))
     with stop_on_signals() as stop, contextlib.ExitStack() as held:
         return _execute(admit(config), reporter or NullReporter(), stop, None, held, world)
 
 
 def resume(run_dir: str | Path, config: RunConfig | None = None, reporter=None,
-           world: World = SINGLE) -> dict:
+           world: World = SINGLE, reward_code: Collection[str] = ()) -> dict:
     """Continue a killed run from its last complete checkpoint and finish it normally.
 
-    `config` defaults to the run's stored config; when given it must be identical to it."""
+    `config` defaults to the run's stored config; when given it must be identical to it.
+    `reward_code`: the user rewards the user named (config.rewards_named_by); the stored config
+    is the run directory's data, so any other user reward in it is refused, never imported."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: no such run directory to resume")
@@ -217,8 +240,8 @@ def resume(run_dir: str | Path, config: RunConfig | None = None, reporter=None,
         if config is not None and config.to_dict() != stored.to_dict():
             raise InputError(f"{where}: the given config differs from the run's stored config; "
                              "a resumed run uses its stored config unchanged")
-        return _execute(admit(stored, resume_dir=run_dir), reporter or NullReporter(), stop,
-                        checkpoint, held, world)
+        return _execute(admit(stored, resume_dir=run_dir, reward_code=reward_code),
+                        reporter or NullReporter(), stop, checkpoint, held, world)
 
 
 @dataclass

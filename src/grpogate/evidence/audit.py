@@ -26,14 +26,16 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from grpogate.config import Gates, TaskConfig
+from grpogate.config import BUILT_IN_REWARDS, Gates, TaskConfig
 from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, recorded_facts,
                                        step_summary, update_throughput)
 from grpogate.evidence.manifest import PROBLEMS_FILE, RUN_FILES, build_manifest, trace_ids_sha256
-from grpogate.files import ADAPTER_WEIGHTS, policy_version, safetensors_sha256, sha256_path
-from grpogate.inputs.rewards import reward_set_from_config
+from grpogate.evidence.rescore import (RescorePlan, announce_cost, audit_reward_set, describe,
+                                      recorded_value, refuse_excess_records)
+from grpogate.files import (ADAPTER_WEIGHTS, confined_file, policy_version, read_confined,
+                            safetensors_sha256, sha256_path)
 from grpogate.inputs.tasks import load_problem_sets, problem_set_hash, problems_from_records
 from grpogate.inputs.verifiers import get_verifier
 
@@ -86,9 +88,10 @@ def same_value(recorded: Any, recomputed: Any) -> bool:
 # --- reading the run ---------------------------------------------------------------------------
 
 def _read_object(path: Path, audit: Audit) -> dict | None:
-    """A JSON object file; unreadable content is a mismatch (a tampered file), not a crash."""
+    """A JSON object file; unreadable content is a mismatch (a tampered file), not a crash.
+    InputError when it is not a regular file inside the run directory."""
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
+        document = json.loads(read_confined(path.parent, path.name).decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         audit.mismatch(f"{path.name} (not valid JSON: {error})")
         return None
@@ -102,11 +105,11 @@ def _read_object(path: Path, audit: Audit) -> dict | None:
 
 def _numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
     """(1-based line number, record) for every non-blank line; bad lines become mismatches."""
-    if not path.is_file():
-        audit.mismatch(f"{path.name} (missing)")
-        return []
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_confined(path.parent, path.name).decode("utf-8")
+    except InputError as error:
+        audit.mismatch(f"{path.name} ({str(error).removeprefix(path.name + ': ')})")
+        return []
     except UnicodeDecodeError:
         audit.mismatch(f"{path.name} (not UTF-8 text)")
         return []
@@ -171,17 +174,16 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
                  trajectories: list[dict]) -> None:
     """Every file the manifest pins, the trace ids, the adapter, and the manifest's summary."""
     files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
-    root = run_dir.resolve()
     for name, recorded in files.items():
-        path = (run_dir / name).resolve()
-        if not path.is_relative_to(root):
-            audit.mismatch(f"files.{name} (escapes the run directory)")
-        elif not path.is_file():
-            audit.mismatch(f"files.{name} (missing)", recorded)
-        elif sha256_path(path) != recorded:
+        try:
+            path = confined_file(run_dir, name)
+        except InputError as error:  # flagged, and never read
+            audit.mismatch(f"files.{name} ({str(error).removeprefix(f'{name}: ')})", recorded)
+            continue
+        if sha256_path(path) != recorded:
             audit.mismatch(f"files.{name} sha256", recorded, sha256_path(path))
     adapter_path = str((evidence.get("artifact") or {}).get("path") or "")
-    on_disk = [name for name in RUN_FILES if (run_dir / name).is_file()]
+    on_disk = [name for name in RUN_FILES if _confined(run_dir, name)]
     if adapter_path and (run_dir / adapter_path).is_dir():
         on_disk += [f"{adapter_path}/{p.name}" for p in sorted((run_dir / adapter_path).glob("*"))]
     for name in on_disk:
@@ -195,9 +197,9 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
         "trajectories_sha256": _file_sha(run_dir / "trajectories.jsonl"),
         "evidence_sha256": _file_sha(run_dir / "evidence.json")})
 
-    weights = run_dir / adapter_path / ADAPTER_WEIGHTS
+    weights = _confined(run_dir, f"{adapter_path}/{ADAPTER_WEIGHTS}") if adapter_path else None
     audit.compare("artifact.sha256", (evidence.get("artifact") or {}).get("sha256"),
-                  _file_sha(weights) if adapter_path else None)
+                  sha256_path(weights) if weights else None)
     # The rest of the manifest is a summary of the evidence: rebuild it and compare.
     try:
         rebuilt = build_manifest(evidence, run_dir, trajectories)
@@ -220,8 +222,8 @@ def anchored_versions(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, 
     base = (inputs.get("model") or {}).get("sha256")
     versions = {"baseline": inputs.get("baseline_policy_version"),
                 "candidate": artifact.get("new_policy_version")}
-    weights = run_dir / str(artifact.get("path") or "adapter") / ADAPTER_WEIGHTS
-    if weights.is_file():
+    weights = _confined(run_dir, f"{artifact.get('path') or 'adapter'}/{ADAPTER_WEIGHTS}")
+    if weights is not None:
         versions["candidate"] = _version_of(audit, base, weights,
                                             "artifact (adapter weights unreadable",
                                             versions["candidate"])
@@ -252,7 +254,16 @@ def _version_of(audit: Audit, base: Any, weights: Path, field: str, recorded: An
 
 
 def _file_sha(path: Path) -> str | None:
-    return sha256_path(path) if path.is_file() else None
+    found = _confined(path.parent, path.name)
+    return sha256_path(found) if found else None
+
+
+def _confined(run_dir: Path, name: str) -> Path | None:
+    """`run_dir/name` when it is a regular file inside the run directory, else None (not read)."""
+    try:
+        return confined_file(run_dir, name)
+    except InputError:
+        return None
 
 
 def _budget_consistent(record: dict, max_new_tokens: Any) -> bool:
@@ -266,12 +277,15 @@ def _budget_consistent(record: dict, max_new_tokens: Any) -> bool:
 def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]], verifier,
                   references: dict[str, str] | None,
                   expected: Callable[[dict], dict[str, Any]],
-                  max_new_tokens: Any, reward_set=None) -> None:
+                  max_new_tokens: Any, reward_set=None, plan: RescorePlan | None = None,
+                  first_index: int = 0) -> None:
     """Per line: the prompt belongs to the set, identities match, the reward re-scores equal.
     With `reward_set` (training records), every component is re-scored with the run's own
-    reward functions and `reward` must be their weighted total; without it (the re-test),
-    `reward` is the correctness verifier's alone."""
-    for number, record in numbered:
+    reward functions (those it takes as recorded excepted) and `reward` must be their weighted
+    total; without it (the re-test), `reward` is the correctness verifier's alone. Records
+    outside `plan`'s sample (record `first_index` + position) keep their verifier and user-code
+    values as recorded; everything else about them is still checked."""
+    for position, (number, record) in enumerate(numbered):
         where = f"{file_name}:{number}"
         for key, value in expected(record).items():
             if record.get(key) != value:
@@ -292,11 +306,23 @@ def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]]
         if reference is None:
             audit.mismatch(f"{where} prompt_id", record.get("prompt_id"), "a prompt of the set")
             continue
-        rescored = verifier.score(record.get("completion"), reference)
+        sampled = plan is None or plan.covers(first_index + position)
+        recorded = record.get("rewards") if isinstance(record.get("rewards"), dict) else {}
+        if sampled:
+            rescored = verifier.score(record.get("completion"), reference)
+        else:
+            rescored = recorded_value(audit, f"{where} " + ("rewards.correctness" if reward_set
+                                      else "reward"), recorded.get("correctness") if reward_set
+                                      else record.get("reward"))
         if reward_set is not None:
             tokens = record.get("completion_tokens")
+            taken = [name for name in reward_set.weights if name != "correctness" and (
+                name in reward_set.as_recorded or not sampled and name not in BUILT_IN_REWARDS)]
+            values = {name: recorded_value(audit, f"{where} rewards.{name}", recorded.get(name))
+                      for name in taken}
             components = reward_set.score(record.get("completion"), reference,
-                                          tokens if isinstance(tokens, int) else 0, rescored)
+                                          tokens if isinstance(tokens, int) else 0, rescored,
+                                          recorded=values, taken=taken)
             audit.compare(f"{where} rewards", record.get("rewards"), components)
             rescored = reward_set.total(components)
         if not same_value(record.get("reward"), rescored):
@@ -414,23 +440,9 @@ def _reload_references(audit: Audit, evidence: dict, run_dir: Path
             {p.prompt_id: p.reference for p in stored[1]})
 
 
-def _reward_set(audit: Audit, evidence: dict, verifier):
-    """The run's reward functions rebuilt from its config (the run's own builder); their
-    versions must be the recorded ones (a user function's source hash included)."""
-    if verifier is None:
-        return None
-    try:
-        reward_set = reward_set_from_config(evidence["config"], verifier.version)
-    except ValueError as error:
-        audit.mismatch(f"config.rewards ({error})")
-        return None
-    audit.compare("inputs.rewards", evidence["inputs"].get("rewards"), reward_set.describe())
-    return reward_set
-
-
 def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numbered_eval,
                        train_refs, eval_refs, verifier, reward_set,
-                       policy_versions: dict[str, str]) -> None:
+                       policy_versions: dict[str, str], plan: RescorePlan) -> None:
     versions = {s.get("step"): s.get("policy_version") for s in evidence.get("steps") or []}
     verifier_version = evidence["inputs"]["verifier"]["version"]
     max_new_tokens = evidence["config"]["max_new_tokens"]
@@ -438,27 +450,30 @@ def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numb
                   lambda r: {"verifier_version": verifier_version,
                              "source_policy_version": versions.get(
                                  r.get("step"), r.get("source_policy_version"))},
-                  max_new_tokens, reward_set)
+                  max_new_tokens, reward_set, plan)
     check_records(audit, "eval_completions.jsonl", numbered_eval, verifier, eval_refs,
                   lambda r: {"verifier_version": verifier_version,
                              "seed": evidence["seeds"]["eval"],
                              "policy_version": policy_versions.get(
                                  r.get("policy"), "the baseline or candidate version")},
-                  max_new_tokens)
+                  max_new_tokens, plan=plan, first_index=len(numbered_trajectories))
 
 
-def audit_run(run_dir: str | Path) -> dict[str, Any]:
+def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
+              max_rescore: int | None = None,
+              announce: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Audit one run directory. Returns {"run_dir", "recorded_decision", "decision", "agrees",
-    "mismatches", "checks"}; `decision` is `reject` whenever anything mismatches, else the
-    decision `decide_run` recomputes from the evidence. InputError when there is no
-    evidence.json at all; an unreadable one is a mismatch like any other tampering."""
+    "mismatches", "checks", "rescoring"}; `decision` is `reject` whenever anything mismatches,
+    else the decision `decide_run` recomputes from the evidence. InputError when there is no
+    evidence.json at all, when a path the run names leaves the run directory or is not a regular
+    file, or when it holds more records than its config runs; an unreadable evidence.json is a
+    mismatch like any other tampering. User reward code runs only for `trusted_rewards`;
+    `max_rescore` caps the records re-scored; `announce` hears the cost of a long re-scoring
+    before it starts (rescore.py)."""
     run_dir = Path(run_dir)
-    if not (run_dir / "evidence.json").is_file():
-        raise InputError(f"{run_dir}: not a run directory (no evidence.json)")
-    for entry in sorted((run_dir / "adapter").glob("*")) if (run_dir / "adapter").is_dir() else []:
-        if not entry.is_file():
-            raise InputError(f"{entry}: not a file; a run's adapter/ holds only the adapter's "
-                             "files (remove it, or this is not a grpogate run directory)")
+    if not _confined(run_dir, "evidence.json"):
+        raise InputError(f"{run_dir}: not a run directory (no evidence.json, or not a regular "
+                         "file)")
     audit = Audit()
     evidence = _read_object(run_dir / "evidence.json", audit)
     if evidence is None or not isinstance(evidence.get("config"), dict):
@@ -466,18 +481,25 @@ def audit_run(run_dir: str | Path) -> dict[str, Any]:
             audit.mismatch("evidence.json (no config: not a grpogate evidence file)")
         return {"run_dir": str(run_dir), "recorded_decision": None, "decision": "reject",
                 "agrees": False, "mismatches": audit.mismatches, "checks": []}
+    check_adapter_dir(run_dir, evidence)
     manifest, numbered_trajectories, numbered_eval = _read_run(audit, run_dir)
+    refuse_excess_records(evidence["config"], {"trajectories.jsonl": len(numbered_trajectories),
+                                               "eval_completions.jsonl": len(numbered_eval)})
     trajectories = [record for _, record in numbered_trajectories]
     eval_records = [record for _, record in numbered_eval]
+    plan = RescorePlan.choose(len(numbered_trajectories) + len(numbered_eval), max_rescore)
+    reward_set = None
     try:
         if manifest:
             check_hashes(audit, run_dir, manifest, evidence, trajectories)
         versions = anchored_versions(audit, run_dir, evidence)
         train_refs, eval_refs = _reload_references(audit, evidence, run_dir)
         verifier = _verifier(audit, evidence)
-        reward_set = _reward_set(audit, evidence, verifier)
+        if verifier is not None:
+            reward_set = audit_reward_set(audit, evidence, verifier, run_dir, list(trusted_rewards))
+            announce_cost(announce, verifier, reward_set, plan)
         _check_all_records(audit, evidence, numbered_trajectories, numbered_eval, train_refs,
-                           eval_refs, verifier, reward_set, versions)
+                           eval_refs, verifier, reward_set, versions, plan)
         check_steps(audit, evidence, trajectories,
                     reward_set.versions if reward_set is not None else None)
         check_retest_records(audit, evidence, eval_records, list(eval_refs) if eval_refs else None)
@@ -498,7 +520,34 @@ def audit_run(run_dir: str | Path) -> dict[str, Any]:
         "non_default_gates": non_default_gates(evidence),
         "gain_rule": decisions.gain_rule((evidence.get("config") or {}).get("gates")),
         "gain_rule_line": decisions.gain_rule_line((evidence.get("config") or {}).get("gates")),
+        "rescoring": describe(reward_set, plan),
     }
+
+
+def check_adapter_dir(run_dir: Path, evidence: dict) -> None:
+    """The delivered adapter folder the evidence names (artifact.path) is a folder inside the
+    run directory holding only regular files; InputError before any of it is opened (a path
+    to /etc or to a folder holding a FIFO would be hashed, or hang the audit)."""
+    name = (evidence.get("artifact") or {}).get("path") if isinstance(
+        evidence.get("artifact"), dict) else None
+    if name is None:
+        return
+    base = run_dir.resolve()
+    folder = (base / str(name)).resolve()
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or not (
+            folder.is_relative_to(base) and folder != base):
+        raise InputError(f"{run_dir}/evidence.json: field artifact.path {name!r} is not a "
+                         "folder inside the run directory")
+    if not folder.is_dir():
+        return  # a missing adapter is a mismatch of the hashes, named there
+    for entry in sorted(folder.iterdir()):
+        if not entry.resolve().is_relative_to(base):
+            continue  # a link out of the run: flagged by check_hashes, never read
+        try:
+            confined_file(run_dir, f"{name}/{entry.name}")
+        except InputError as error:
+            raise InputError(f"{run_dir}/{error}; a run's adapter folder holds only the "
+                             "adapter's files (this is not a grpogate run directory)") from None
 
 
 def non_default_gates(evidence: dict) -> dict[str, dict]:

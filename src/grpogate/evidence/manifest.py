@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 from grpogate.errors import InputError
-from grpogate.files import (ADAPTER_WEIGHTS, policy_version, safetensors_sha256, sha256_bytes,
-                            sha256_path)
+from grpogate.files import (ADAPTER_WEIGHTS, confined_file, policy_version, safetensors_sha256,
+                            sha256_bytes, sha256_path)
 
 MANIFEST_VERSION = 1
 PROBLEMS_FILE = "problems.jsonl"  # every train and eval problem: what `decide` re-scores against
@@ -23,11 +23,18 @@ def trace_ids_sha256(trace_ids: list[str]) -> str:
 
 
 def build_manifest(evidence: dict, run_dir: Path, trajectories: list[dict]) -> dict:
-    """Summarize the run and pin every file by hash; call after all other files are final."""
-    files = {name: sha256_path(run_dir / name) for name in RUN_FILES if (run_dir / name).is_file()}
+    """Summarize the run and pin every file by hash; call after all other files are final.
+    Only regular files inside the run directory are read (the audit rebuilds a manifest from a
+    directory someone else wrote)."""
     adapter_dir = run_dir / evidence["artifact"]["path"]
-    for file in sorted(adapter_dir.glob("*")) if adapter_dir.is_dir() else []:
-        files[f"{evidence['artifact']['path']}/{file.name}"] = sha256_path(file)
+    names = [*RUN_FILES, *(f"{evidence['artifact']['path']}/{file.name}" for file in
+                           (sorted(adapter_dir.glob("*")) if adapter_dir.is_dir() else []))]
+    files = {}
+    for name in names:
+        try:
+            files[name] = sha256_path(confined_file(run_dir, name))
+        except InputError:
+            continue  # absent, or not a file of the run: not pinned (the audit names it)
     comparison = evidence["comparison"]
     rollout = evidence["rollout"]
     trace_ids = [record["trace_id"] for record in trajectories]
@@ -99,12 +106,13 @@ def read_baseline_manifest(path: str) -> dict:
     adapter_dir = ""
     if adapter.get("path"):
         root = file.parent.resolve()
-        candidate = (root / adapter["path"]).resolve()
+        candidate = (root / str(adapter["path"])).resolve()
         if not candidate.is_relative_to(root):
             raise InputError(f"{path}: field \"adapter.path\" escapes the manifest's directory")
-        weights = candidate / ADAPTER_WEIGHTS
-        if not weights.is_file():
-            raise InputError(f"{path}: field \"adapter.path\": {weights} does not exist")
+        try:  # a regular file inside the manifest's directory, checked before it is opened
+            weights = confined_file(root, f"{adapter['path']}/{ADAPTER_WEIGHTS}")
+        except InputError as error:
+            raise InputError(f"{path}: field \"adapter.path\": {error}") from None
         actual = sha256_path(weights)
         if actual != adapter.get("sha256"):
             raise InputError(f"{path}: field \"adapter.sha256\" is {adapter.get('sha256')!r} but "

@@ -24,7 +24,7 @@ from grpogate.errors import InputError
 from grpogate.evidence.decisions import gain_rule
 from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.evidence.report_figures import paired_prompts, render_all, stage_seconds
-from grpogate.files import atomic_write_bytes
+from grpogate.files import atomic_write_bytes, read_confined
 
 REPORT_HTML = "report.html"
 FIGURE_NAMES = ("stages", "steps", "lengths", "per_prompt", "intervals")
@@ -393,10 +393,10 @@ def _read_jsonl(path: Path) -> list[dict]:
     """Records of an optional JSONL file; a missing or unreadable one is empty (the report still
     renders from the evidence; `grpogate decide` is what judges the files)."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = read_confined(path.parent, path.name).decode("utf-8").splitlines()
         return [record for record in map(json.loads, filter(str.strip, lines))
                 if isinstance(record, dict)]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (InputError, OSError, UnicodeDecodeError, json.JSONDecodeError):
         return []
 
 
@@ -404,14 +404,15 @@ def write_report(run_dir: str | Path) -> Path:
     """Render report_*.png and report.html into `run_dir` (atomically); returns the HTML path."""
     shown, run_dir = str(run_dir), Path(run_dir)
     try:
-        evidence = json.loads((run_dir / "evidence.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"{run_dir}: not a run directory (no evidence.json)") from None
+        # Only a regular file inside the run directory is opened (a FIFO would hang the report).
+        evidence = json.loads(read_confined(run_dir, "evidence.json").decode("utf-8"))
+    except InputError as error:
+        raise InputError(f"{run_dir}: not a run directory ({error})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise InputError(f"{run_dir}/evidence.json: not valid JSON: {error}") from None
     try:  # the manifest only adds file hashes; a run without one still gets its report
-        manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        manifest = json.loads(read_confined(run_dir, "manifest.json").decode("utf-8"))
+    except (InputError, json.JSONDecodeError, UnicodeDecodeError):
         manifest = {}
     problems = {str(p.get("prompt_id")): p for p in _read_jsonl(run_dir / PROBLEMS_FILE)}
     pngs = render_all(evidence)

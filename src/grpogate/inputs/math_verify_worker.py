@@ -17,7 +17,13 @@ writes (RLIMIT_FSIZE 0), bounded memory (RLIMIT_AS) and CPU time (RLIMIT_CPU), a
 dumps. What it may still do is compute; its only output is one float per line.
 
 Protocol: the child prints {"ready": version} once imported; then, for each request line
-{"completion": str, "gold": str}, it prints {"reward": 1.0 | 0.0, "error": str | null}.
+{"completion": str, "gold": str}, it prints {"reward": 1.0 | 0.0, "error": str | null}; for a
+line {"gold": str} alone (admission's check of a reference), {"readable": bool, "error": ...}.
+
+A reference is read as math-verify reads a model's answer: a bare LaTeX reference (`\\sqrt{8}`,
+`2\\sqrt{2}`, `10^{6}`, as MATH-style datasets store answers, without `$...$`) parses to
+nothing or to a wrong leading number unless it is delimited, so one holding a LaTeX mark and no
+`$` is wrapped in `$...$` first (`gold_text`).
 """
 
 import json
@@ -73,8 +79,27 @@ def confine() -> None:
                 setattr(module, name, None)
 
 
+LATEX_MARKS = ("\\", "^", "_", "{")
+
+
+def gold_text(gold: str) -> str:
+    """The reference as math-verify should parse it: bare LaTeX wrapped in `$...$`."""
+    if "$" not in gold and any(mark in gold for mark in LATEX_MARKS):
+        return f"${gold}$"
+    return gold
+
+
+def parse_gold(math_verify, gold: str) -> list:
+    return math_verify.parse(gold_text(gold), parsing_timeout=PARSE_TIMEOUT_SECONDS)
+
+
+def readable(math_verify, gold: str) -> bool:
+    """True when the reference parses to a mathematical object (not only its own text)."""
+    return any(not isinstance(item, str) for item in parse_gold(math_verify, gold))
+
+
 def score(math_verify, completion: str, gold: str) -> float:
-    gold_parsed = math_verify.parse(gold, parsing_timeout=PARSE_TIMEOUT_SECONDS)
+    gold_parsed = parse_gold(math_verify, gold)
     if not gold_parsed:
         return 0.0
     predicted = math_verify.parse(completion, parsing_timeout=PARSE_TIMEOUT_SECONDS)
@@ -88,7 +113,8 @@ def score(math_verify, completion: str, gold: str) -> float:
 # first use (fractions, LaTeX, percentages, symbols, sets) is loaded while files may be read.
 WARM_UP = (("\\boxed{\\frac{1}{2}}", "0.5"), ("so 50%", "0.5"), ("$x^2+2x+1$", "$(x+1)^2$"),
            ("\\boxed{\\frac{1}{\\sqrt{2}}}", "$\\pi$"), ("$\\{1, 2\\}$", "$(1, 2)$"),
-           ("$1 < x < 2$", "$x = 3$"), ("\\boxed{2^{10}}", "1,000"))
+           ("$1 < x < 2$", "$x = 3$"), ("\\boxed{2^{10}}", "1,000"),
+           ("$\\boxed{2\\sqrt{2}}$", "\\sqrt{8}"))
 
 
 def main() -> None:
@@ -103,12 +129,17 @@ def main() -> None:
     for line in sys.stdin:
         try:
             request = json.loads(line)
-            reward, error = score(math_verify, request["completion"], request["gold"]), None
+            if "completion" not in request:
+                reply = {"readable": readable(math_verify, request["gold"]), "error": None}
+            else:
+                reply = {"reward": score(math_verify, request["completion"], request["gold"]),
+                         "error": None}
         except BaseException as failure:  # noqa: BLE001 - any failure is a 0 for this request
             if isinstance(failure, KeyboardInterrupt):
                 raise
-            reward, error = 0.0, f"{type(failure).__name__}: {str(failure)[:200]}"
-        print(json.dumps({"reward": reward, "error": error}), flush=True)
+            reply = {"reward": 0.0, "readable": False,
+                     "error": f"{type(failure).__name__}: {str(failure)[:200]}"}
+        print(json.dumps(reply), flush=True)
 
 
 if __name__ == "__main__":

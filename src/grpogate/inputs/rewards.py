@@ -11,8 +11,13 @@ as TRL's `reward_funcs` + `reward_weights` do; the built-in ones are
   penalty that grows linearly over the last `overlong_buffer_len` tokens of the budget;
 
 and `module:function` is a user's pure-Python `(completion, reference) -> float`, run under a
-time limit; an exception, a timeout or a non-finite result scores 0.0 and is counted.
-Every component has a `version`; the weighted total is `math.fsum(weight * value)`.
+time limit; an exception, a timeout, a non-finite result or one beyond +-MAX_REWARD_VALUE scores
+0.0 and is counted. Every component has a `version`; the weighted total is
+`math.fsum(weight * value)`.
+
+User code is imported only when the user names it: a run imports what its own config names, and
+the audit of a run directory (a stranger's data) takes user components as recorded unless the
+user vouches for the code with `--trust-reward-code` (`build_reward_set`'s `importable`).
 
 >>> format_reward("so 3 + 4 = 7\\nAnswer: 7")
 1.0
@@ -28,15 +33,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import inspect
+import importlib.util
+import linecache
 import math
 import re
 import signal
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
-from grpogate.config import BUILT_IN_REWARDS, USER_REWARD_PATH
+from grpogate.config import BUILT_IN_REWARDS, MAX_REWARD_VALUE, USER_REWARD_PATH
 
 CORRECTNESS, FORMAT, OVERLONG = BUILT_IN_REWARDS
 FORMAT_VERSION = "format-final-answer-line-v1"
@@ -104,10 +110,49 @@ def call_with_time_limit(function: Callable, args: tuple, seconds: float) -> Any
     return outcome.get("value")
 
 
+def user_reward_names(specs: list) -> list[str]:
+    """The `module:function` components of a `rewards` list: the code a reward set would import."""
+    return [spec["name"] for spec in specs or [] if isinstance(spec, dict)
+            and isinstance(spec.get("name"), str) and USER_REWARD_PATH.fullmatch(spec["name"])]
+
+
+def user_reward_version(path: str) -> str:
+    """`module:function@sha256:<16 hex>` of the module's source, read without running the module
+    (its parent packages are imported to find it): the audit compares it with the recorded
+    version before it imports anything. ValueError when the module or its source is not found."""
+    module_name = path.partition(":")[0]
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except Exception as error:  # a parent package failing to import is the user's input error
+        raise ValueError(f"cannot import module {module_name!r} ({type(error).__name__}: "
+                         f"{error}); put it on PYTHONPATH") from None
+    if spec is None:
+        raise ValueError(f"cannot import module {module_name!r} (not found); put it on PYTHONPATH")
+    if not spec.has_location or not spec.origin or not spec.origin.endswith(".py"):
+        raise ValueError(f"module {module_name!r} has no readable source to version it by")
+    # linecache is how inspect.getsource reads a module: the same text, so the same version.
+    linecache.checkcache(spec.origin)
+    source = "".join(linecache.getlines(spec.origin)).encode("utf-8")
+    if not source:
+        raise ValueError(f"module {module_name!r} has no readable source to version it by")
+    return f"{path}@sha256:{hashlib.sha256(source).hexdigest()[:16]}"
+
+
+def user_reward_origin(path: str) -> str:
+    """The file the module of `path` would be imported from ("" when not found)."""
+    try:
+        spec = importlib.util.find_spec(path.partition(":")[0])
+    except Exception:  # reported by user_reward_version
+        return ""
+    return (spec.origin or "") if spec is not None else ""
+
+
 def load_user_reward(path: str) -> tuple[Callable, str]:
     """(function, version) of a `module:function` path; the version pins the module's source by
     sha256, so editing the function changes every trajectory's identity. ValueError when the
-    module or function cannot be found."""
+    module or function cannot be found. Imports (runs) the module: call it only for a path the
+    user named."""
+    version = user_reward_version(path)
     module_name, _, function_name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -117,11 +162,7 @@ def load_user_reward(path: str) -> tuple[Callable, str]:
     function = getattr(module, function_name, None)
     if not callable(function):
         raise ValueError(f"module {module_name!r} has no function {function_name!r}")
-    try:
-        source = inspect.getsource(module).encode("utf-8")
-    except (OSError, TypeError):
-        raise ValueError(f"module {module_name!r} has no readable source to version it by") from None
-    return function, f"{path}@sha256:{hashlib.sha256(source).hexdigest()[:16]}"
+    return function, version
 
 
 @dataclass
@@ -133,19 +174,28 @@ class RewardSet:
     functions: dict[str, Callable]  # (completion, reference, completion_tokens) -> float
     user_time_limit_seconds: float = 1.0
     error_counts: dict[str, int] = field(default_factory=dict)
+    # User components not imported (an audit without --trust-reward-code): their values are
+    # taken from the record being checked, their versions from the recorded evidence.
+    as_recorded: tuple[str, ...] = ()
 
     @property
     def error_count(self) -> int:
         return sum(self.error_counts.values())
 
     def score(self, completion: Any, reference: Any, completion_tokens: int,
-              correctness: float) -> dict[str, float]:
+              correctness: float, recorded: dict | None = None,
+              taken: Collection[str] = ()) -> dict[str, float]:
         """Every component's value; `correctness` is the verifier's reward, scored by the caller
-        (the verifier keeps its own error count)."""
+        (the verifier keeps its own error count); an `as_recorded` component's value, and one
+        named in `taken`, is `recorded[name]` (the caller checks it is a number)."""
         values = {}
         for name in self.weights:
-            values[name] = (float(correctness) if name == CORRECTNESS else
-                            self._guarded(name, completion, reference, completion_tokens))
+            if name == CORRECTNESS:
+                values[name] = float(correctness)
+            elif name in self.as_recorded or name in taken:
+                values[name] = float((recorded or {})[name])
+            else:
+                values[name] = self._guarded(name, completion, reference, completion_tokens)
         return values
 
     def _guarded(self, name: str, completion: Any, reference: Any, tokens: int) -> float:
@@ -157,8 +207,8 @@ class RewardSet:
             else:
                 value = function(completion, reference, tokens)
             value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(f"non-finite reward {value!r}")
+            if not abs(value) <= MAX_REWARD_VALUE:  # NaN and infinities too
+                raise ValueError(f"reward {value!r} outside +-{MAX_REWARD_VALUE:g}")
         except (Exception, TimeLimitExceeded):  # user code: any failure scores 0 and is counted
             self.error_counts[name] = self.error_counts.get(name, 0) + 1
             return 0.0
@@ -174,11 +224,14 @@ class RewardSet:
 
 def build_reward_set(specs: list[dict], verifier_version: str, *, max_new_tokens: int,
                      overlong_buffer_len: int, overlong_penalty_factor: float,
-                     user_time_limit_seconds: float) -> RewardSet:
+                     user_time_limit_seconds: float, importable: Collection[str] | None = None,
+                     recorded_versions: dict | None = None) -> RewardSet:
     """The RewardSet of validated `rewards` entries ({"name", "weight"}); no entries means
-    correctness alone with weight 1. ValueError when a user function cannot be loaded."""
+    correctness alone with weight 1. A user `module:function` is imported only when
+    `importable` is None (the caller's own config) or names it; any other is taken as recorded,
+    its version `recorded_versions[name]`. ValueError when a user function cannot be loaded."""
     specs = specs or [{"name": CORRECTNESS, "weight": 1.0}]
-    weights, versions, functions = {}, {}, {}
+    weights, versions, functions, as_recorded = {}, {}, {}, []
     for spec in specs:
         name = spec["name"]
         weights[name] = float(spec["weight"])
@@ -194,16 +247,24 @@ def build_reward_set(specs: list[dict], verifier_version: str, *, max_new_tokens
             functions[name] = lambda completion, reference, tokens: soft_overlong_punishment(
                 tokens, max_new_tokens=max_new_tokens, buffer_len=overlong_buffer_len,
                 penalty_factor=overlong_penalty_factor)
-        else:
+        elif importable is None or name in importable:
             functions[name], versions[name] = load_user_reward(name)
-    return RewardSet(weights, versions, functions, user_time_limit_seconds)
+        else:
+            functions[name], versions[name] = None, (recorded_versions or {}).get(name)
+            as_recorded.append(name)
+    return RewardSet(weights, versions, functions, user_time_limit_seconds,
+                     as_recorded=tuple(as_recorded))
 
 
-def reward_set_from_config(config: dict, verifier_version: str) -> RewardSet:
+def reward_set_from_config(config: dict, verifier_version: str, *,
+                           importable: Collection[str] | None,
+                           recorded_versions: dict | None = None) -> RewardSet:
     """The run's RewardSet from its (stored) configuration dict: the run and the audit both
-    build it here, so they score with the same functions."""
+    build it here, so they score with the same functions. `importable`: see build_reward_set
+    (None only for a config the user gave; a run directory's config is data)."""
     return build_reward_set(
         config.get("rewards") or [], verifier_version, max_new_tokens=config["max_new_tokens"],
         overlong_buffer_len=config.get("overlong_buffer_len", 0),
         overlong_penalty_factor=config.get("overlong_penalty_factor", 1.0),
-        user_time_limit_seconds=config.get("reward_time_limit_seconds", 1.0))
+        user_time_limit_seconds=config.get("reward_time_limit_seconds", 1.0),
+        importable=importable, recorded_versions=recorded_versions)

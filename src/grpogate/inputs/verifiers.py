@@ -271,29 +271,47 @@ class MathVerifyVerifier:
         self.close()
 
     def score(self, completion: Any, reference: Any) -> float:
-        import json
-
         if not isinstance(completion, str) or not isinstance(reference, str):
             return 0.0
         if len(completion) > self.MAX_CHARS:
             self.error_count += 1
             return 0.0
-        _, _, gold = reference.rpartition("####")
-        try:
-            if self._child is None:
-                self._start()
-            self._child.stdin.write(json.dumps({"completion": completion,
-                                                "gold": gold.strip()}) + "\n")
-            reply = self._reply(self.time_limit_seconds)
-        except (OSError, RuntimeError, ValueError):
-            reply = None
-        if reply is None:  # over the time limit, or the child died: a fresh one next time
-            self.close()
+        reply = self._ask({"completion": completion, "gold": self.gold(reference)})
+        if reply is None:
             self.error_count += 1
             return 0.0
         if reply.get("error"):
             self.error_count += 1
         return 1.0 if reply.get("reward") == 1.0 else 0.0
+
+    @staticmethod
+    def gold(reference: str) -> str:
+        """The reference's final answer: after its last "####", else the whole reference."""
+        return reference.rpartition("####")[2].strip()
+
+    def readable(self, reference: str) -> bool:
+        """Whether math-verify reads `reference` as math (bare LaTeX wrapped in $...$ first, as
+        scoring does); False also when the check fails or runs past the time limit."""
+        if not isinstance(reference, str) or len(reference) > self.MAX_CHARS:
+            return False
+        reply = self._ask({"gold": self.gold(reference)})
+        return bool(reply and reply.get("readable") is True)
+
+    def _ask(self, request: dict) -> dict | None:
+        """One request to the sandboxed child; None past the time limit or when it died (a
+        fresh child is started next time)."""
+        import json
+
+        try:
+            if self._child is None:
+                self._start()
+            self._child.stdin.write(json.dumps(request) + "\n")
+            reply = self._reply(self.time_limit_seconds)
+        except (OSError, RuntimeError, ValueError):
+            reply = None
+        if reply is None:
+            self.close()
+        return reply
 
 
 def _distribution_version(distribution: str, module: Any) -> str:
@@ -305,6 +323,22 @@ def _distribution_version(distribution: str, module: Any) -> str:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return str(getattr(module, "__version__", "unknown"))
+
+
+def check_references(verifier: Verifier, problems: list) -> None:
+    """Admission: a verifier that can fail to read a reference (math-verify) must read every one,
+    or each answer to that problem would score 0 and the run would train on a wrong reward.
+    InputError naming the problem's file and line (its `source`) and the field."""
+    readable = getattr(verifier, "readable", None)
+    if readable is None:
+        return
+    for problem in problems:
+        if not readable(problem.reference):
+            from grpogate.errors import InputError
+
+            raise InputError(f"{problem.source}: field \"answer\": {verifier.version} cannot "
+                             f"read the reference answer {problem.reference[-80:]!r} as math "
+                             "(not even as $...$ LaTeX); fix it, or choose another verifier")
 
 
 def get_verifier(name: str) -> Verifier:

@@ -1,0 +1,170 @@
+"""What `decide` re-scores, and what it takes as recorded.
+
+A run directory is data from whoever wrote it, so the audit bounds and limits what it does with
+it. It never imports code the directory names: a user reward (`module:function` in the
+recorded config) is taken as recorded -- each record's value for it, and its version from the
+evidence -- unless the user names that code on the command line (`--trust-reward-code`), it is
+importable here from outside the run directory, and its source hashes to the version the run
+recorded. The built-in components (correctness through the verifier, format, overlong) are
+always re-scored, and every weighted total is recomputed from the components.
+
+Its cost is bounded: a directory holding more records than a real run of its recorded config
+writes is refused, `--max-rescore N` re-scores a random sample of N records (the seed is
+reported; the others' verifier and user-code values are taken as recorded, everything else is
+still checked), and the estimated time is announced before a long re-scoring starts.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from grpogate.config import MAX_REWARD_VALUE, MAX_REWARD_WEIGHT
+from grpogate.errors import InputError
+from grpogate.inputs.rewards import (CORRECTNESS, RewardSet, reward_set_from_config,
+                                     user_reward_names, user_reward_origin, user_reward_version)
+
+# Typical seconds per re-scored record of the verifiers whose cost is worth saying: math-verify
+# scores in a sandboxed child (measured about 1 ms for a short boxed answer on a 2-core Xeon;
+# taken 10x for long completions), each call bounded by its time limit (the "at most").
+TYPICAL_SECONDS = {"math-verify-v1": 0.01}
+ANNOUNCE_AFTER_SECONDS = 30.0  # a worst case past this is announced before the work starts
+
+
+def record_limits(config: dict) -> dict[str, int]:
+    """The most records a real run of `config` writes: trajectories, steps x prompts_per_step x
+    group_size x generation rounds (dynamic sampling refills at most a step's prompts per round);
+    the re-test, both policies x eval_prompts x eval_group_size. InputError when a count the
+    bound is made of is not a positive integer."""
+    def count(key: str, default: Any = None) -> int:
+        value = config.get(key, default)
+        if type(value) is not int or value < 1:
+            raise InputError(f"evidence.json: field config.{key}: expected a positive integer, "
+                             f"got {value!r}")
+        return value
+
+    rounds = count("max_generation_rounds", 1) if config.get("dynamic_sampling") is True else 1
+    steps = count("train_prompts") // count("prompts_per_step")
+    return {"trajectories.jsonl": steps * count("prompts_per_step") * count("group_size") * rounds,
+            "eval_completions.jsonl": 2 * count("eval_prompts") * count("eval_group_size")}
+
+
+def refuse_excess_records(config: dict, counts: dict[str, int]) -> None:
+    """InputError when a file holds more records than a real run of the recorded config: the
+    re-scoring cost is then set by the run's own settings, not by the directory's writer."""
+    for name, limit in record_limits(config).items():
+        if counts.get(name, 0) > limit:
+            raise InputError(f"{name}: {counts[name]} records, more than a run of the recorded "
+                             f"config writes ({limit}); not a grpogate run directory")
+
+
+@dataclass
+class RescorePlan:
+    """Which records get the expensive components (the verifier, trusted user code) re-run."""
+
+    records: int  # records that carry a reward: trajectories + re-test
+    sample: frozenset[int] | None  # indexes (trajectories first) re-scored; None: all
+    seed: int | None
+
+    @classmethod
+    def choose(cls, records: int, max_rescore: int | None) -> "RescorePlan":
+        if max_rescore is None or max_rescore >= records:
+            return cls(records, None, None)
+        seed = secrets.randbelow(2**32)  # unpredictable to the directory's writer, reported
+        import random
+
+        return cls(records, frozenset(random.Random(seed).sample(range(records), max_rescore)),
+                   seed)
+
+    def covers(self, index: int) -> bool:
+        return self.sample is None or index in self.sample
+
+    @property
+    def rescored(self) -> int:
+        return self.records if self.sample is None else len(self.sample)
+
+
+def estimate_seconds(verifier, reward_set: RewardSet | None, records: int) -> tuple[float, float]:
+    """(typical, at most) seconds to re-score `records` records: the verifier's per-completion
+    time limit bounds each call, and a trusted user reward's own limit each of its calls."""
+    limit = float(getattr(verifier, "time_limit_seconds", 0.0) or 0.0)
+    typical = TYPICAL_SECONDS.get(getattr(verifier, "version", ""), 0.0)
+    if reward_set is not None:
+        called = [name for name in user_reward_names([{"name": n} for n in reward_set.weights])
+                  if name not in reward_set.as_recorded]
+        limit += len(called) * reward_set.user_time_limit_seconds
+    return typical * records, limit * records
+
+
+def announce_cost(announce: Callable[[str], None] | None, verifier, reward_set,
+                  plan: RescorePlan) -> None:
+    typical, at_most = estimate_seconds(verifier, reward_set, plan.rescored)
+    if announce is not None and at_most > ANNOUNCE_AFTER_SECONDS:
+        announce(f"re-scoring {plan.rescored} of {plan.records} records with "
+                 f"{getattr(verifier, 'version', 'the verifier')}: about {typical:.0f} s, at most "
+                 f"{at_most:.0f} s (each call's time limit); --max-rescore N re-scores a sample")
+
+
+def audit_reward_set(audit, evidence: dict, verifier, run_dir: Path,
+                     trusted: list[str]) -> RewardSet | None:
+    """The run's reward set as the audit may use it: built-ins re-scored, user components taken
+    as recorded except those the user trusts (named, importable outside the run directory, and
+    of the recorded version, checked before the module is imported). InputError for a trusted
+    name the run does not record or that cannot be found; a version that differs is a mismatch."""
+    config = evidence["config"]
+    recorded = {entry.get("name"): entry.get("version")
+                for entry in evidence["inputs"].get("rewards") or [] if isinstance(entry, dict)}
+    user = user_reward_names(config.get("rewards") or [])
+    importable = []
+    for name in trusted:
+        if name not in user:
+            raise InputError(f"--trust-reward-code {name}: the run records no such reward "
+                             f"component (its user components: {', '.join(user) or 'none'})")
+        origin = user_reward_origin(name)
+        if origin and Path(origin).resolve().is_relative_to(run_dir.resolve()):
+            raise InputError(f"--trust-reward-code {name}: the module would be imported from "
+                             "inside the run directory; trusted code must be your own")
+        try:
+            version = user_reward_version(name)
+        except ValueError as error:
+            raise InputError(f"--trust-reward-code {name}: {error}") from None
+        if version != recorded.get(name):
+            audit.mismatch(f"inputs.rewards {name} version (--trust-reward-code: not the code "
+                           "the run recorded; its values are taken as recorded)",
+                           recorded.get(name), version)
+        else:
+            importable.append(name)
+    try:
+        reward_set = reward_set_from_config(config, verifier.version, importable=importable,
+                                            recorded_versions=recorded)
+    except ValueError as error:
+        audit.mismatch(f"config.rewards ({error})")
+        return None
+    outside = [name for name, weight in reward_set.weights.items()
+               if not abs(weight) <= MAX_REWARD_WEIGHT]
+    if outside:
+        audit.mismatch(f"config.rewards {outside[0]} weight (outside +-{MAX_REWARD_WEIGHT:g})",
+                       reward_set.weights[outside[0]])
+        return None
+    audit.compare("inputs.rewards", evidence["inputs"].get("rewards"), reward_set.describe())
+    return reward_set
+
+
+def recorded_value(audit, where: str, value: Any) -> float:
+    """A value taken as recorded: a number within the value bound, else a mismatch and 0.0."""
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and abs(value) <= MAX_REWARD_VALUE):
+        return float(value)
+    audit.mismatch(where, value, f"a number within +-{MAX_REWARD_VALUE:g} (taken as recorded)")
+    return 0.0
+
+
+def describe(reward_set: RewardSet | None, plan: RescorePlan) -> dict:
+    """What the audit re-scored and what it took as recorded, for the output and --json."""
+    names = list(reward_set.weights) if reward_set is not None else [CORRECTNESS]
+    as_recorded = list(reward_set.as_recorded) if reward_set is not None else []
+    return {"components_rescored": [name for name in names if name not in as_recorded],
+            "components_as_recorded": as_recorded, "records": plan.records,
+            "records_rescored": plan.rescored, "sample_seed": plan.seed}
