@@ -194,6 +194,9 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
                 evidence = pipeline.run(config, reporter, world)
     except InputError as error:
         fail(error)
+    except pipeline.UnstartedRunFailed as error:
+        console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+        raise typer.Exit(1)
     except OSError as error:
         if error.errno not in OUTPUT_ERRNOS:
             raise

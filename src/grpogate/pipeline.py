@@ -58,7 +58,8 @@ from grpogate.preflight import check_budget, dry_run_checks
 from grpogate.sampling.retest import retest_both
 from grpogate.sampling.rollout import encode_prompts
 from grpogate.training.checkpoint import (CHECKPOINTS, Checkpoint, CheckpointWriter,
-                                          checkpoint_to_resume, remove_checkpoints,
+                                          checkpoint_to_resume, latest_checkpoint,
+                                          remove_checkpoints,
                                           restore_training_state)
 from grpogate.training.loop import Loop, LoopState, train
 
@@ -452,9 +453,33 @@ def _execute(admission: Admission, reporter, stop: StopRequest,
     try:
         evidence = _train_to_evidence(admission, prepared, opened, reporter, stop, trackers, world)
         decision = evidence["decision"]["decision"]
+    except Exception as error:
+        if resumed is None and world.is_main and latest_checkpoint(opened.run_dir) is None:
+            trackers.close(decision)  # before its files go
+            discard_unstarted_run(opened.run_dir, error)
+        raise
     finally:
         trackers.close(decision)
     return evidence
+
+
+class UnstartedRunFailed(RuntimeError):
+    """A new run failed before its first checkpoint; its directory was removed."""
+
+
+def discard_unstarted_run(run_dir: Path, error: Exception) -> None:
+    """A run that fails before its first checkpoint can neither be resumed nor audited, and its
+    directory would block the same --out: remove what this run created and say why (an
+    OSError -- a full or read-only disk -- is re-raised as it is: the CLI names the file)."""
+    import shutil
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if isinstance(error, OSError):
+        return
+    raise UnstartedRunFailed(
+        f"{run_dir}: the run failed before its first checkpoint ({type(error).__name__}: "
+        f"{error}); its directory was removed, so the same --out can be used again once the "
+        "cause is fixed") from error
 
 
 def same_adapter_everywhere(world: World, candidate_version: str) -> None:
