@@ -264,16 +264,15 @@ def test_a_fifo_in_the_run_directory_is_refused_not_waited_on(tmp_path, name):
     os.mkfifo(run / name)
     result = grpogate("decide", run, timeout=60)
     assert result.returncode == 2, result.stdout
-    expected = (f"error: {run}/adapter/extra.bin: not a regular file (a folder, FIFO, socket or "
-                "device); a run's adapter folder holds only the adapter's files (this is not a "
-                "grpogate run directory)" if name.startswith("adapter") else
-                f"error: {run}: not a run directory (no evidence.json, or not a regular file)")
+    not_a_run = f"error: {run}: not a run directory (no evidence.json, or not a regular file)"
+    expected = (f"error: {run}/adapter/extra.bin: not a file; a run's adapter/ holds only the "
+                "adapter's files (remove it, or this is not a grpogate run directory)"
+                if name.startswith("adapter") else not_a_run)
     assert error_line(result) == expected
     report = grpogate("report", run, timeout=60)
     if name == "evidence.json":
         assert report.returncode == 2
-        assert error_line(report) == (f"error: {run}: not a run directory (evidence.json: not "
-                                      "a regular file (a folder, FIFO, socket or device))")
+        assert error_line(report) == not_a_run
 
 
 def test_more_records_than_the_config_runs_is_refused(tmp_path):
@@ -391,6 +390,21 @@ def test_a_user_reward_beyond_the_value_bound_scores_zero_and_is_counted(tmp_pat
     assert values == {"huge_reward_22:huge": 0.0, "huge_reward_22:edge": -1e6}
     assert rewards.error_count == 1
     assert rewards.total(values) == -1e6  # 1e6 x 0 + 1 x -1e6
+
+
+def test_recorded_rewards_that_overflow_are_mismatches_not_a_traceback(tmp_path):
+    run = write_synthetic_run(tmp_path)
+    path = run / "trajectories.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for record in records[:4]:  # 4 x 1e308 overflows any sum of them
+        record["reward"] = record["rewards"]["correctness"] = 1e308
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = grpogate("decide", run)
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "mismatch trajectories.jsonl:1 reward: recorded 1e+308, recomputed 1.0" in result.stdout
+    assert ("mismatch evidence (cannot be rebuilt from the stored records: OverflowError "
+            "intermediate overflow in fsum)") in result.stdout
 
 
 def test_a_run_failing_before_its_first_checkpoint_leaves_nothing(tiny_model_dir, tmp_path,

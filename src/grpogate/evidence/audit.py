@@ -307,26 +307,36 @@ def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]]
             audit.mismatch(f"{where} prompt_id", record.get("prompt_id"), "a prompt of the set")
             continue
         sampled = plan is None or plan.covers(first_index + position)
-        recorded = record.get("rewards") if isinstance(record.get("rewards"), dict) else {}
-        if sampled:
-            rescored = verifier.score(record.get("completion"), reference)
-        else:
-            rescored = recorded_value(audit, f"{where} " + ("rewards.correctness" if reward_set
-                                      else "reward"), recorded.get("correctness") if reward_set
-                                      else record.get("reward"))
-        if reward_set is not None:
-            tokens = record.get("completion_tokens")
-            taken = [name for name in reward_set.weights if name != "correctness" and (
-                name in reward_set.as_recorded or not sampled and name not in BUILT_IN_REWARDS)]
-            values = {name: recorded_value(audit, f"{where} rewards.{name}", recorded.get(name))
-                      for name in taken}
-            components = reward_set.score(record.get("completion"), reference,
-                                          tokens if isinstance(tokens, int) else 0, rescored,
-                                          recorded=values, taken=taken)
-            audit.compare(f"{where} rewards", record.get("rewards"), components)
-            rescored = reward_set.total(components)
+        rescored = _rescored_reward(audit, where, record, reference, verifier, reward_set, sampled)
         if not same_value(record.get("reward"), rescored):
             audit.mismatch(f"{where} reward", record.get("reward"), rescored)
+
+
+def _rescored_reward(audit: Audit, where: str, record: dict, reference: str, verifier,
+                     reward_set, sampled: bool) -> float:
+    """The record's reward recomputed: the verifier's (re-run when `sampled`, else as recorded)
+    alone, or with `reward_set` the weighted total of every component, the components compared
+    with the recorded ones. Values taken as recorded must be numbers within the value bound."""
+    recorded = record.get("rewards") if isinstance(record.get("rewards"), dict) else {}
+    if sampled:
+        correctness = verifier.score(record.get("completion"), reference)
+    elif reward_set is not None:
+        correctness = recorded_value(audit, f"{where} rewards.correctness",
+                                     recorded.get("correctness"))
+    else:
+        correctness = recorded_value(audit, f"{where} reward", record.get("reward"))
+    if reward_set is None:
+        return correctness
+    taken = [name for name in reward_set.weights if name not in BUILT_IN_REWARDS
+             and (name in reward_set.as_recorded or not sampled)]
+    values = {name: recorded_value(audit, f"{where} rewards.{name}", recorded.get(name))
+              for name in taken}
+    tokens = record.get("completion_tokens")
+    components = reward_set.score(record.get("completion"), reference,
+                                  tokens if isinstance(tokens, int) else 0, correctness,
+                                  recorded=values, taken=taken)
+    audit.compare(f"{where} rewards", record.get("rewards"), components)
+    return reward_set.total(components)
 
 
 def check_steps(audit: Audit, evidence: dict, trajectories: list[dict],
@@ -357,7 +367,7 @@ def check_steps(audit: Audit, evidence: dict, trajectories: list[dict],
                                len(recorded_rounds), len(rounds))
             else:  # per round: seed, prompts and valid groups; the seconds are taken as recorded
                 audit.compare(f"steps[{index}].generation_rounds", recorded_rounds, rounds)
-        except (ValueError, KeyError, TypeError) as error:
+        except (ValueError, KeyError, TypeError, OverflowError) as error:
             audit.mismatch(f"trajectories.jsonl step {step.get('step')!r} ({error})")
     # Contract: re-check every step's groups against that step's recorded policy version.
     versions = {s.get("step"): s.get("policy_version") for s in steps}
@@ -398,7 +408,7 @@ def check_assembly(audit: Audit, evidence: dict, trajectories: list[dict],
     try:
         rebuilt = assemble_evidence(recorded_facts(evidence), evidence["config"],
                                     evidence.get("steps") or [], trajectories, eval_records)
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, OverflowError) as error:
         audit.mismatch(f"evidence (cannot be rebuilt from the stored records: "
                        f"{type(error).__name__} {error})")
         return
@@ -545,9 +555,9 @@ def check_adapter_dir(run_dir: Path, evidence: dict) -> None:
             continue  # a link out of the run: flagged by check_hashes, never read
         try:
             confined_file(run_dir, f"{name}/{entry.name}")
-        except InputError as error:
-            raise InputError(f"{run_dir}/{error}; a run's adapter folder holds only the "
-                             "adapter's files (this is not a grpogate run directory)") from None
+        except InputError:
+            raise InputError(f"{entry}: not a file; a run's {name}/ holds only the adapter's "
+                             "files (remove it, or this is not a grpogate run directory)") from None
 
 
 def non_default_gates(evidence: dict) -> dict[str, dict]:

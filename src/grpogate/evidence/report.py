@@ -406,8 +406,9 @@ def write_report(run_dir: str | Path) -> Path:
     try:
         # Only a regular file inside the run directory is opened (a FIFO would hang the report).
         evidence = json.loads(read_confined(run_dir, "evidence.json").decode("utf-8"))
-    except InputError as error:
-        raise InputError(f"{run_dir}: not a run directory ({error})") from None
+    except InputError:
+        raise InputError(f"{run_dir}: not a run directory (no evidence.json, or not a regular "
+                         "file)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise InputError(f"{run_dir}/evidence.json: not valid JSON: {error}") from None
     try:  # the manifest only adds file hashes; a run without one still gets its report
