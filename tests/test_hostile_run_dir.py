@@ -431,6 +431,40 @@ def test_a_run_failing_before_its_first_checkpoint_leaves_nothing(tiny_model_dir
     assert not out.exists()
 
 
+def test_a_run_killed_before_its_first_checkpoint_is_replaced_by_a_new_run(tiny_config,
+                                                                           tmp_path):
+    from grpogate import pipeline
+    from grpogate.training.checkpoint import checkpoint_to_resume
+
+    out = tmp_path / "run"
+    out.mkdir()  # what a SIGKILL before the first checkpoint leaves: the log and the lock
+    (out / "trajectories.jsonl").write_text('{"step": 0}\n')
+    (out / ".grpogate.lock").write_text("999999\n")
+    with pytest.raises(InputError) as caught:
+        checkpoint_to_resume(out)
+    assert str(caught.value) == (f"{out}: no complete checkpoint (the run stopped before its "
+                                 "first update step finished); start a new run with a new "
+                                 "--label, or the same --out: it replaces this one")
+    evidence = pipeline.run(tiny_config(tmp_path, out=str(out)))
+    assert evidence["status"] == "ok" and (out / "manifest.json").is_file()
+    assert '{"step": 0}' not in (out / "trajectories.jsonl").read_text()
+
+
+def test_a_directory_holding_anything_else_is_never_replaced(tiny_config, tmp_path):
+    from grpogate import pipeline
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "trajectories.jsonl").write_text("")
+    (out / ".grpogate.lock").write_text("999999\n")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(InputError) as caught:
+        pipeline.admit(tiny_config(tmp_path, out=str(out)))
+    assert str(caught.value) == (f"{out}: output already exists; choose a new run label "
+                                 "(--label) or --out")
+    assert (out / "notes.txt").read_text() == "mine"
+
+
 # --- item 11: math-verify reads bare LaTeX references, and refuses one it cannot read -----------
 
 def test_math_verify_reads_a_bare_latex_reference():

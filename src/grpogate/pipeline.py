@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import resource
+import shutil
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -59,7 +60,7 @@ from grpogate.sampling.retest import retest_both
 from grpogate.sampling.rollout import encode_prompts
 from grpogate.training.checkpoint import (CHECKPOINTS, Checkpoint, CheckpointWriter,
                                           checkpoint_to_resume, latest_checkpoint,
-                                          remove_checkpoints,
+                                          never_checkpointed, remove_checkpoints,
                                           restore_training_state)
 from grpogate.training.loop import Loop, LoopState, train
 
@@ -118,7 +119,8 @@ def admit(config: RunConfig, resume_dir: Path | None = None,
     if reward_code is not None:
         refuse_unnamed_reward_code(config, reward_code, run_dir)
     if resume_dir is None:
-        refuse_existing_output(run_dir)
+        if not never_checkpointed(run_dir):  # one a killed run left is replaced (open_run)
+            refuse_existing_output(run_dir)
         refuse_output_inside_a_run(run_dir)
     check_output_writable(run_dir, 0)  # the room it needs is known once the model's shapes are
     if config.tensorboard and Path(config.tensorboard).is_file():
@@ -306,6 +308,11 @@ def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | Non
     if resumed is None:
         run_dir = admission.run_dir
         if world.is_main:
+            if never_checkpointed(run_dir):
+                with RunDirLock(run_dir):  # refused while a live process holds it
+                    reporter.log(f"{run_dir}: replacing a run that was stopped before its first "
+                                 "checkpoint (nothing in it to resume)")
+                shutil.rmtree(run_dir)
             create_run_dir(run_dir)
             held.enter_context(RunDirLock(run_dir))
             elastic.mark_job(run_dir, world)
@@ -471,8 +478,6 @@ def discard_unstarted_run(run_dir: Path, error: Exception) -> None:
     """A run that fails before its first checkpoint can neither be resumed nor audited, and its
     directory would block the same --out: remove what this run created and say why (an
     OSError -- a full or read-only disk -- is re-raised as it is: the CLI names the file)."""
-    import shutil
-
     shutil.rmtree(run_dir, ignore_errors=True)
     if isinstance(error, OSError):
         return

@@ -163,6 +163,24 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     return Checkpoint(directory, state)
 
 
+def never_checkpointed(run_dir: Path) -> bool:
+    """A directory a run created and was killed in before its first checkpoint: its lock file
+    (left by a killed holder), its trajectories log and at most a checkpoints/ folder with no
+    step-* checkpoint, nothing else. There is nothing in it to resume or audit, so a new run
+    with the same --out may replace it (pipeline.open_run), once no process holds its lock."""
+    from grpogate.files import LOCK_FILE
+
+    if not run_dir.is_dir() or run_dir.is_symlink():
+        return False
+    names = {entry.name for entry in run_dir.iterdir()}
+    if not {"trajectories.jsonl", LOCK_FILE} <= names <= {"trajectories.jsonl", LOCK_FILE,
+                                                          CHECKPOINTS}:
+        return False
+    root = run_dir / CHECKPOINTS
+    return not root.exists() or (root.is_dir() and not root.is_symlink()
+                                 and not any(root.glob("step-*")))
+
+
 def checkpoint_to_resume(run_dir: str | Path) -> Checkpoint:
     """The checkpoint a `--resume RUN_DIR` continues from; InputError when there is none."""
     run_dir = Path(run_dir)
@@ -174,7 +192,9 @@ def checkpoint_to_resume(run_dir: str | Path) -> Checkpoint:
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         raise InputError(f"{run_dir}: no complete checkpoint (the run stopped before its first "
-                         "update step finished); start a new run with a new --label")
+                         "update step finished); start a new run with a new --label"
+                         + (", or the same --out: it replaces this one"
+                            if never_checkpointed(run_dir) else ""))
     if not (run_dir / "trajectories.jsonl").is_file():
         raise InputError(f"{run_dir}/trajectories.jsonl: missing; the run cannot be resumed")
     return checkpoint
