@@ -1,10 +1,13 @@
 """Audit a finished run: re-read its files, recompute what can be recomputed, check every hash.
 
-`grpogate decide RUN_DIR` trusts nothing the run says about itself. From the stored files alone
-it re-runs the verifier named in the evidence on every stored completion (training and re-test),
-re-scores every training reward component with the run's reward functions and recomputes their
-weighted total against the reference answers stored in problems.jsonl (so no task generator or
-dataset is needed, and a copied run directory audits the same), re-checks every step's rollout
+`grpogate decide RUN_DIR` trusts nothing the run says about itself, and runs no code it names
+(rescore.py: a user reward is taken as recorded unless the user trusts its code). From the
+stored files alone -- each a regular file inside the run directory, opened only after that is
+checked -- it re-runs the verifier named in the evidence on every stored completion (training
+and re-test), re-scores the built-in training reward components with the run's reward
+functions and recomputes every weighted total against the reference answers stored in
+problems.jsonl (so no task generator or dataset is needed, and a copied run directory audits
+the same), re-checks every step's rollout
 contract, checks every hash the manifest records, recomputes the policy versions from the
 adapter's own tensors (a forger who swaps adapter/ and recomputes every file hash still has
 to name the candidate's version), and rebuilds the whole evidence document
