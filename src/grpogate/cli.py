@@ -110,15 +110,17 @@ def run(
     exit_code_from_decision: bool = typer.Option(
         False, "--exit-code-from-decision", help="Exit 0 on accept, 3 on tune, 4 on reject."),
     nproc: Optional[int] = typer.Option(
-        None, "--nproc", metavar="N", min=1, help="Launch the run under torchrun with N "
-        "processes on this machine (torchrun --standalone --nproc_per_node N -m grpogate run ...)."),
+        None, "--nproc", metavar="N", min=1, help="Launch the run on N processes on this "
+        "machine under torch's elastic agent (as torchrun --standalone --nproc_per_node N -m "
+        "grpogate run ...); a worker that dies is one error line, its traceback in a log file."),
     max_restarts: int = typer.Option(
         0, "--max-restarts", metavar="K", min=0, help="With --nproc: torchrun restarts a failed "
         "worker group up to K times; the restarted group resumes from the last checkpoint."),
 ) -> None:
     """Run admission, rollout, GRPO update, independent re-test and delivery."""
     if nproc is not None:
-        raise typer.Exit(_launch_torchrun(nproc, max_restarts))
+        raise typer.Exit(_launch_torchrun(nproc, max_restarts, resume or out, label, profile,
+                                          config_file, overrides))
     from grpogate.distributed import close_world, init_world
 
     world = init_world()
@@ -135,15 +137,22 @@ def run(
         close_world(world)
 
 
-def _launch_torchrun(nproc: int, max_restarts: int) -> int:
-    """`grpogate run --nproc N ...` -> torchrun with the same arguments, less these two."""
-    import subprocess
+def _launch_torchrun(nproc: int, max_restarts: int, run_dir, label, profile, config_file,
+                     overrides) -> int:
+    """`grpogate run --nproc N ...` -> the elastic agent (launch.py) with the same arguments,
+    less these two; `run_dir` as the workers will name it, when the options say."""
     import sys
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "grpogate",
-               *torchrun_arguments(sys.argv[1:])]
-    return subprocess.call(command)
+    from grpogate.launch import launch
+
+    if run_dir is None:
+        try:  # --out or --label may also come from --config or --set
+            config = load_config(profile or "default", config_file, overrides, label=label)
+            run_dir = config.out or (f"runs/{config.label}" if config.label else None)
+        except InputError:  # the workers refuse it, in their own words
+            pass
+    return launch(nproc, max_restarts, torchrun_arguments(sys.argv[1:]), run_dir,
+                  profile or "default")
 
 
 def torchrun_arguments(argv: list[str]) -> list[str]:
