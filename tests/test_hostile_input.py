@@ -8,13 +8,16 @@ markup escaped, control and bidi characters as visible escapes) in every command
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 from synthetic_run import write_synthetic_run
 from test_bad_input import Case, replace_line
+from test_standalone_eval import A, B
 from typer.testing import CliRunner
 
 from grpogate.cli import app
@@ -60,7 +63,7 @@ def edit_json(path: Path, change) -> None:
 @pytest.mark.parametrize("text, shown", [
     ("[/oops]", "\\[/oops]"),  # rich would raise MarkupError on a closing tag with no opener
     ("[green]decision: accept", "\\[green]decision: accept"),
-    (f"{ESC}[2J", "\\x1b\\[2J"),  # ESC is 0x1b; rich escapes the "[" after it
+    (f"{ESC}[2J", "\\x1b[2J"),  # ESC is 0x1b; "[2J" is no markup tag, so no "\\["
     ("a\x07b\x7fc\x9bd", "a\\x07b\\x7fc\\x9bd"),  # BEL (C0), DEL, CSI (C1)
     ("x\u202eevil", "x\\u202eevil"),  # RIGHT-TO-LEFT OVERRIDE
     ("one\ntwo\u2028three", "one\\x0atwo\\u2028three"),  # no second line can be faked
@@ -100,22 +103,17 @@ def test_decide_prints_recorded_strings_as_text(run_dir, forge, field):
 
 
 def test_compare_prints_a_recorded_warning_as_text(tmp_path):
-    from grpogate.standalone_eval import EVAL_FILE_KIND
-
-    def eval_file(name, top_p):
-        records = [{"prompt_id": "p1", "rewards": [1.0, 0.0], "lengths": [3, 4],
-                    "hit_max_length": [False, False]}]
-        document = {"kind": EVAL_FILE_KIND, "seed": 1, "verifier_version": "v",
-                    "group_size": 2, "sampling": {"top_p": top_p}, "records": records}
-        path = tmp_path / name
-        path.write_text(json.dumps(document))
-        return path
-
-    result = invoke(["compare", eval_file("a.json", 1.0), eval_file("b.json", HOSTILE)])
-    if result.exit_code == 2:  # the hand-made file lacks a field compare needs: say which
-        pytest.fail(result.output)
-    assert ESC not in result.output and "warning: sampling top_p differs" in result.output
-    assert "\\x1b" in result.output
+    baseline, candidate = A, copy.deepcopy(B)
+    candidate["sampling"]["top_p"] = HOSTILE  # A has none: "sampling top_p differs" names it
+    for name, document in (("a.json", baseline), ("b.json", candidate)):
+        (tmp_path / name).write_text(json.dumps(document))
+    result = invoke(["compare", tmp_path / "a.json", tmp_path / "b.json"])
+    assert result.exit_code == 0, result.output
+    warning = next(line for line in result.output.splitlines() if line.startswith("warning:"))
+    # repr() already spelled ESC as \x1b; the markup prints as typed, on the warning's own line.
+    assert warning.startswith("warning: sampling top_p differs: None vs '\\x1b[2J")
+    assert "[link=https://x.example]x[/link][green]decision: accept[/oops]" in warning
+    assert ESC not in result.output
 
 
 # --- item 5: labels, profiles -------------------------------------------------------------------
@@ -287,7 +285,7 @@ def test_a_cache_root_that_cannot_be_a_directory_is_one_error(cache, fragment, t
     if cache == "file":
         cache = tmp_path / "not-a-directory"
         cache.write_text("")
-    with pytest.raises(InputError, match=fragment.replace("(", r"\(")):
+    with pytest.raises(InputError, match=re.escape(fragment)):
         dequantized_cache(tmp_path / "model.gguf", "0" * 64, Path(cache))
 
 

@@ -13,6 +13,7 @@ import json
 from typing import Optional
 
 import typer
+
 from grpogate import cli_eval
 from grpogate.config import load_config
 from grpogate.errors import InputError, command, plain
