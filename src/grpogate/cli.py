@@ -141,17 +141,12 @@ def run(
 def _launch_torchrun(nproc: int, max_restarts: int, run_dir, label, profile, config_file,
                      overrides) -> int:
     """`grpogate run --nproc N ...` -> the elastic agent (launch.py) with the same arguments,
-    less these two; `run_dir` as the workers will name it, when the options say."""
+    less these two."""
     import sys
 
-    from grpogate.launch import launch
+    from grpogate.launch import expected_run_dir, launch
 
-    if run_dir is None:
-        try:  # --out or --label may also come from --config or --set
-            config = load_config(profile or "default", config_file, overrides, label=label)
-            run_dir = config.out or (f"runs/{config.label}" if config.label else None)
-        except InputError:  # the workers refuse it, in their own words
-            pass
+    run_dir = run_dir or expected_run_dir(label, profile or "default", config_file, overrides)
     return launch(nproc, max_restarts, torchrun_arguments(sys.argv[1:]), run_dir,
                   profile or "default")
 

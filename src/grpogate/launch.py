@@ -73,6 +73,19 @@ def launch(nproc: int, max_restarts: int, worker_args: list[str], run_dir: str |
         elastic.propagate = True
 
 
+def expected_run_dir(label, profile: str, config_file: str, overrides) -> str | None:
+    """The run directory the workers will name from --label, or from a --config / --set that
+    sets out or label; None when nothing does (then `launch` draws the job's default)."""
+    from grpogate.config import load_config
+    from grpogate.errors import InputError
+
+    try:
+        config = load_config(profile, config_file, overrides, label=label)
+    except InputError:  # the workers refuse it, in their own words
+        return None
+    return config.out or (f"runs/{config.label}" if config.label else None)
+
+
 def _died_first(failures: dict) -> tuple:
     """(rank, failure) of the worker that brought the group down: one killed by a signal
     (not the SIGTERM the agent sends the rest) before one that failed on its own, since the
