@@ -287,9 +287,9 @@ def test_decide_prints_every_gate_the_run_loosened(tmp_path):
     (lambda run: (run / "adapter" / "nested").mkdir(),
      "adapter/nested: not a file; a run's adapter/ holds only the adapter's files"),
     (lambda run: (run / "evidence.json").write_text("[" * 100_000 + "]" * 100_000),
-     "evidence.json: JSON nested too deeply to be a grpogate file"),
+     "evidence.json: JSON nested deeper than 64 levels; not a file grpogate reads"),
     (lambda run: (run / "trajectories.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n"),
-     "trajectories.jsonl:1: JSON nested too deeply to be a grpogate record"),
+     "trajectories.jsonl:1: JSON nested deeper than 64 levels; not a file grpogate reads"),
 ], ids=["directory inside adapter/", "deeply nested evidence", "deeply nested record"])
 def test_decide_on_a_malformed_run_directory_is_one_error_line(run_dir, damage, message):
     damage(run_dir)

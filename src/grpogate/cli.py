@@ -13,11 +13,10 @@ import json
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from grpogate import cli_eval
 from grpogate.config import load_config
-from grpogate.errors import InputError
+from grpogate.errors import InputError, command, plain
 from grpogate.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
                                gates_table, progress_bars, quiet_libraries)
 
@@ -112,15 +111,17 @@ def run(
     exit_code_from_decision: bool = typer.Option(
         False, "--exit-code-from-decision", help="Exit 0 on accept, 3 on tune, 4 on reject."),
     nproc: Optional[int] = typer.Option(
-        None, "--nproc", metavar="N", min=1, help="Launch the run under torchrun with N "
-        "processes on this machine (torchrun --standalone --nproc_per_node N -m grpogate run ...)."),
+        None, "--nproc", metavar="N", min=1, help="Launch the run on N processes on this "
+        "machine under torch's elastic agent (as torchrun --standalone --nproc_per_node N -m "
+        "grpogate run ...); a worker that dies is one error line, its traceback in a log file."),
     max_restarts: int = typer.Option(
         0, "--max-restarts", metavar="K", min=0, help="With --nproc: torchrun restarts a failed "
         "worker group up to K times; the restarted group resumes from the last checkpoint."),
 ) -> None:
     """Run admission, rollout, GRPO update, independent re-test and delivery."""
     if nproc is not None:
-        raise typer.Exit(_launch_torchrun(nproc, max_restarts))
+        raise typer.Exit(_launch_torchrun(nproc, max_restarts, resume or out, label, profile,
+                                          config_file, overrides))
     from grpogate.distributed import close_world, init_world
 
     world = init_world()
@@ -137,15 +138,17 @@ def run(
         close_world(world)
 
 
-def _launch_torchrun(nproc: int, max_restarts: int) -> int:
-    """`grpogate run --nproc N ...` -> torchrun with the same arguments, less these two."""
-    import subprocess
+def _launch_torchrun(nproc: int, max_restarts: int, run_dir, label, profile, config_file,
+                     overrides) -> int:
+    """`grpogate run --nproc N ...` -> the elastic agent (launch.py) with the same arguments,
+    less these two."""
     import sys
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "grpogate",
-               *torchrun_arguments(sys.argv[1:])]
-    return subprocess.call(command)
+    from grpogate.launch import expected_run_dir, launch
+
+    run_dir = run_dir or expected_run_dir(label, profile or "default", config_file, overrides)
+    return launch(nproc, max_restarts, torchrun_arguments(sys.argv[1:]), run_dir,
+                  profile or "default")
 
 
 def torchrun_arguments(argv: list[str]) -> list[str]:
@@ -195,7 +198,7 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
     except InputError as error:
         fail(error)
     except pipeline.UnstartedRunFailed as error:
-        console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+        console.print(f"[bold red]error:[/] {plain(error)}", soft_wrap=True)
         raise typer.Exit(1)
     except OSError as error:
         if error.errno not in OUTPUT_ERRNOS:
@@ -205,14 +208,14 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
         fail(InputError(f"{error.filename or 'output'}: {error.strerror}; free space or choose "
                          "another --out (a started run continues with --resume)"))
     except RunInterrupted as interrupted:
-        console.print(f"[bold red]{escape(str(interrupted))}")
+        console.print(f"[bold red]{plain(interrupted)}")
         raise typer.Exit(exit_code(interrupted.signal_name))
     except KeyboardInterrupt:  # a second signal: stopped at once, mid-step
         if config is None:
             raise
         run_dir = resume or config.out or f"runs/{config.label}"
         console.print(f"[bold red]stopped at once;[/] continue from the last checkpoint with "
-                      f"`grpogate run --resume {escape(run_dir)}`", soft_wrap=True)
+                      f"`{command('grpogate', 'run', '--resume', run_dir)}`", soft_wrap=True)
         raise typer.Exit(130)
     _print_run_result(evidence, exit_code_from_decision)
 
@@ -246,19 +249,20 @@ def _print_run_result(evidence: dict, exit_code_from_decision: bool) -> None:
     console.print(f"decision: [{style}]{decision['decision']}[/] (failed checks: {failed})")
     note = profile_note(evidence["config"]["profile"])
     if note:
-        console.print(f"[yellow]profile {escape(evidence['config']['profile'])}:[/] "
-                      f"{escape(note)}", soft_wrap=True)
-    console.print(f"evidence: {evidence['run_dir']}/manifest.json (re-check: grpogate decide "
-                  f"{evidence['run_dir']})", soft_wrap=True)
+        console.print(f"[yellow]profile {plain(evidence['config']['profile'])}:[/] "
+                      f"{plain(note)}", soft_wrap=True)
+    console.print(f"evidence: {plain(evidence['run_dir'])}/manifest.json (re-check: "
+                  f"{command('grpogate', 'decide', evidence['run_dir'])})", soft_wrap=True)
     if evidence["interruption"]:
         stopped = evidence["interruption"]
         console.print(f"[bold red]interrupted by {stopped['signal']}[/] {stopped['safe_point']} "
                       f"after {stopped['completed_steps']} finished step(s); continue it with "
-                      f"`grpogate run --resume {escape(evidence['run_dir'])}`", soft_wrap=True)
+                      f"`{command('grpogate', 'run', '--resume', evidence['run_dir'])}`",
+                      soft_wrap=True)
         raise typer.Exit(exit_code(stopped["signal"]))
     if evidence["failure"]:
         console.print(f"[bold red]{evidence['status']}[/] at step {evidence['failure']['step']}: "
-                      f"{escape(evidence['failure']['message'])}", soft_wrap=True)
+                      f"{plain(evidence['failure']['message'])}", soft_wrap=True)
     if exit_code_from_decision:
         raise typer.Exit(DECISION_EXIT_CODES[decision["decision"]])
 
@@ -334,29 +338,14 @@ def decide(
     else:
         console.print(gates_table({"checks": audit["checks"]}))
         if audit["checks"]:  # an unreadable evidence file has no gates to read
-            console.print(audit["gain_rule_line"], soft_wrap=True)
-        for name, gate in audit.get("non_default_gates", {}).items():
-            console.print(f"[yellow]non-default gate[/] {name} = {gate['value']!r} "
-                          f"(default {gate['default']!r})", soft_wrap=True)
-        if audit.get("signature", {}).get("verified"):
-            console.print(f"signature: run.sig verifies with {escape(verify_key)}", soft_wrap=True)
-        if audit.get("rescoring"):
-            console.print(rescoring_line(audit["rescoring"]), soft_wrap=True, markup=False,
-                          highlight=False)
-        if "replay" in audit:
-            from grpogate.replay import replay_summary
-
-            console.print(replay_summary(audit["replay"]), soft_wrap=True)
-        for mismatch in audit["mismatches"][:50]:
-            console.print(f"[red]mismatch[/] {mismatch['field']}: recorded "
-                          f"{_short(mismatch['recorded'])}, recomputed {_short(mismatch['recomputed'])}",
-                          soft_wrap=True)
+            console.print(plain(audit["gain_rule_line"]), soft_wrap=True)
+        _print_audit_lines(audit, verify_key)
         if len(audit["mismatches"]) > 50:
             console.print(f"... and {len(audit['mismatches']) - 50} more mismatches (--json lists all)")
         style = DECISION_STYLE[audit["decision"]]
         verdict = ("agrees with the run's own decision" if audit["agrees"] else
                    f"{len(audit['mismatches'])} mismatch(es); the run recorded "
-                   f"{audit['recorded_decision']!r}")
+                   f"{plain(repr(audit['recorded_decision']))}")
         console.print(f"decision: [{style}]{audit['decision']}[/] ({verdict})")
     if not audit["agrees"]:
         raise typer.Exit(DECISION_EXIT_CODES["reject"])
@@ -377,6 +366,27 @@ def rescoring_line(rescoring: dict) -> str:
                  f"{rescoring['records']} records (random sample, seed {rescoring['sample_seed']}),"
                  " the others' values taken as recorded")
     return line
+
+
+def _print_audit_lines(audit: dict, verify_key) -> None:
+    """Non-default gates, signature, replay and mismatches: every name and value in them is
+    read from the run directory, so each prints as text."""
+    for name, gate in audit.get("non_default_gates", {}).items():
+        console.print(f"[yellow]non-default gate[/] {plain(name)} = {plain(repr(gate['value']))} "
+                      f"(default {plain(repr(gate['default']))})", soft_wrap=True)
+    if audit.get("signature", {}).get("verified"):
+        console.print(f"signature: run.sig verifies with {plain(verify_key)}", soft_wrap=True)
+    if audit.get("rescoring"):
+        console.print(rescoring_line(audit["rescoring"]), soft_wrap=True, markup=False,
+                      highlight=False)
+    if "replay" in audit:
+        from grpogate.replay import replay_summary
+
+        console.print(plain(replay_summary(audit["replay"])), soft_wrap=True)
+    for mismatch in audit["mismatches"][:50]:
+        console.print(f"[red]mismatch[/] {plain(mismatch['field'])}: recorded "
+                      f"{plain(_short(mismatch['recorded']))}, recomputed "
+                      f"{plain(_short(mismatch['recomputed']))}", soft_wrap=True)
 
 
 def _short(value, limit: int = 80) -> str:
@@ -400,8 +410,8 @@ def sign(
         path = sign_run(run_dir, key)
     except InputError as error:
         fail(error)
-    console.print(f"signature: {path} (verify with `grpogate decide {run_dir} --verify-key PUB`)",
-                  soft_wrap=True)
+    console.print(f"signature: {plain(path)} (verify with "
+                  f"`{command('grpogate', 'decide', run_dir, '--verify-key')} PUB`)", soft_wrap=True)
 
 
 @app.command()
@@ -420,7 +430,7 @@ def report(
             path = write_report(run_dir)
     except InputError as error:
         fail(error)
-    console.print(f"report: {path}")
+    console.print(f"report: {plain(path)}", soft_wrap=True)
 
 
 @config_app.command("show")
@@ -445,7 +455,7 @@ def config_show(
     from grpogate.config import profile_note
 
     if profile_note(profile):
-        console.print(f"# profile {escape(profile)}: {escape(profile_note(profile))}",
+        console.print(f"# profile {plain(profile)}: {plain(profile_note(profile))}",
                       soft_wrap=True)
     section = ""
     rows = describe_config(config)
@@ -458,7 +468,7 @@ def config_show(
         line = f"{name} = {_toml_literal(value)}"
         if key == "steps":  # derived: shown, not a key of its own in the file
             line = "# " + line
-        console.print(f"{escape(line):<34} [dim]# {type_name}: {escape(meaning)}[/]", soft_wrap=True)
+        console.print(f"{plain(line):<34} [dim]# {type_name}: {plain(meaning)}[/]", soft_wrap=True)
 
 
 def _toml_literal(value) -> str:

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from grpogate.config import load_config
-from grpogate.errors import InputError
+from grpogate.errors import InputError, plain
 from grpogate.terminal import console, fail, progress_bars
 
 TASK_HELP = ("The task: reasoning-gym:NAME (e.g. reasoning-gym:leg_counting) or gsm8k:PATH "
@@ -69,11 +69,11 @@ def eval_policy(
     except InputError as error:
         fail(error)
     summary = document["metrics"]
-    console.print(f"{policy}: mean reward {summary['mean_reward']:.4f}, pass@{config.eval_group_size} "
+    console.print(f"{plain(policy)}: mean reward {summary['mean_reward']:.4f}, pass@{config.eval_group_size} "
                   f"{summary['pass_at_group']:.4f}, max-length hit ratio "
                   f"{summary['max_length_hit_ratio']:.4f} on {summary['prompt_count']} prompts "
                   f"(seed {sampling_seed})", soft_wrap=True)
-    console.print(f"policy version {document['policy']['policy_version']}; eval file: {out}",
+    console.print(f"policy version {document['policy']['policy_version']}; eval file: {plain(out)}",
                   soft_wrap=True)
 
 
@@ -89,7 +89,7 @@ def compare(
 
     Refuses (exit 2) when their prompt ids, seeds, verifier versions or group sizes differ.
     """
-    from grpogate.files import atomic_write_json
+    from grpogate.files import atomic_write_json, read_json
     from grpogate.standalone_eval import compare_evaluations
 
     try:
@@ -99,10 +99,7 @@ def compare(
         for name in (baseline_file, candidate_file):
             if not Path(name).is_file():
                 raise InputError(f"{name}: no such eval file")
-            try:
-                documents.append(json.loads(Path(name).read_text(encoding="utf-8")))
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise InputError(f"{name}: not valid JSON: {error}") from None
+            documents.append(read_json(name))
         result = compare_evaluations(*documents, names=(baseline_file, candidate_file),
                                      resamples=resamples, bootstrap_seed=bootstrap_seed)
         if out:
@@ -115,7 +112,7 @@ def compare(
     console.print(comparison_table(result))
     console.print("exact tests: sign test on per-prompt mean reward, McNemar on per-prompt pass@group")
     for warning in result["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}")
+        console.print(f"[yellow]warning:[/] {plain(warning)}", soft_wrap=True)
 
 
 def comparison_table(result: dict) -> Table:

@@ -8,7 +8,6 @@ CLI's named flags. `validate()` checks every invariant up front and says how to 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import tomllib
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from grpogate.errors import InputError
+from grpogate.files import read_json
 
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"
 
@@ -265,6 +265,8 @@ def validate(config: RunConfig) -> RunConfig:
                         ("task.eval_seed", config.task.eval_seed)):
         # torch's generators take a 64-bit seed and the re-test adds an offset: 0 .. 2**32 - 1.
         need(0 <= value < SEED_LIMIT, f"{name} must be in [0, {SEED_LIMIT - 1}] (got {value})")
+    need(label_is_a_name(config.label), f"label {config.label!r} must be a name (no / or \\, "
+         "not . or ..): the run directory is runs/LABEL; use --out DIR for a path")
     need(0 <= config.lora_dropout < 1, f"lora_dropout must be in [0, 1) (got {config.lora_dropout})")
     need(config.group_size >= 2, f"group_size must be >= 2 (got {config.group_size}): "
          "a group-relative advantage needs at least two completions per prompt")
@@ -316,6 +318,12 @@ def validate(config: RunConfig) -> RunConfig:
     return config
 
 
+def label_is_a_name(label: str) -> bool:
+    """A run label names one directory under runs/: "" (the default), or no separator, no
+    NUL, not "." or ".." (an absolute path has a separator)."""
+    return not label or (label not in (".", "..") and not any(c in label for c in "/\\\0"))
+
+
 def _validate_objective(config: RunConfig, need) -> None:
     """The objective's knobs: known names, and bounds that keep the clip meaningful."""
     for name, known in (("loss_type", LOSS_TYPES),
@@ -349,9 +357,12 @@ def available_profiles() -> list[str]:
 def _profile_document(name: str) -> dict:
     if name == "default":
         return {}
+    # A profile is a packaged name, never a path: "../../x" is looked up, not joined (a file
+    # of one's own goes through --config FILE).
+    if name not in available_profiles():
+        raise InputError(f"unknown profile {name!r}; known: {', '.join(available_profiles())} "
+                         "(a TOML file of your own: --config FILE)")
     path = resources.files("grpogate") / "profiles" / f"{name}.toml"
-    if not path.is_file():
-        raise InputError(f"unknown profile {name!r}; known: {', '.join(available_profiles())}")
     return tomllib.loads(path.read_text(encoding="utf-8"))
 
 
@@ -380,6 +391,9 @@ def _read_toml(path: str) -> dict:
         return tomllib.loads(file.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise InputError(f"{path}: not valid TOML: {error}") from None
+    except RecursionError:  # tomllib recurses per nested array or table: the stack unwinds
+        raise InputError(f"{path}: not valid TOML: arrays or tables nested deeper than any "
+                         "config (Python's recursion limit)") from None
 
 
 def _read_gates_file(path: str) -> dict:
@@ -388,10 +402,7 @@ def _read_gates_file(path: str) -> dict:
     if not file.is_file():
         raise InputError(f"{path}: no such gates file")
     if file.suffix == ".json":
-        try:
-            document = json.loads(file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise InputError(f"{path}: not valid JSON: {error}") from None
+        document = read_json(file)
     else:
         document = _read_toml(path)
     table = document.get("gates") if isinstance(document, dict) else None

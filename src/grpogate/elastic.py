@@ -21,7 +21,8 @@ from pathlib import Path
 
 from grpogate.config import RunConfig
 from grpogate.distributed import World
-from grpogate.files import atomic_write_json
+from grpogate.errors import InputError
+from grpogate.files import atomic_write_json, parse_json
 from grpogate.training.checkpoint import CHECKPOINTS, latest_checkpoint
 
 JOB_FILE = "torchrun-job.json"
@@ -53,8 +54,9 @@ def mark_job(run_dir: Path, world: World) -> None:
 
 def _ours(run_dir: Path, world: World) -> bool:
     try:
-        marker = json.loads((run_dir / CHECKPOINTS / JOB_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        marker = parse_json((run_dir / CHECKPOINTS / JOB_FILE).read_text(encoding="utf-8"),
+                            JOB_FILE)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, InputError):
         return False
     return isinstance(marker, dict) and marker.get("job") == world.job_id
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -166,13 +167,94 @@ class NullLog:
         self.offset = offset
 
 
+# Untrusted JSON (every file of a run directory, an eval file, a problems line): nesting
+# deeper than this is refused before parsing (grpogate's own files nest under 10 levels).
+JSON_DEPTH_LIMIT = 64
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _json_depth_over(text: str, limit: int) -> bool:
+    """Whether brackets outside strings nest deeper than `limit` (an unclosed string's
+    brackets are counted too: the text is malformed then, and only over-counting is possible)."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    depth = 0
+    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if match.group() in "[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
+def _unique_keys(where: str):
+    def pairs_to_dict(pairs: list) -> dict:
+        document = dict(pairs)
+        if len(document) != len(pairs):
+            seen: set = set()
+            key = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise InputError(f"{where}: duplicate key {key!r} (a reader that keeps the first "
+                             "and one that keeps the last would see different files)")
+        return document
+    return pairs_to_dict
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate_at(value, path: str = "") -> str | None:
+    """The path of a string (or key) holding a lone surrogate, None when there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "the value"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate_at(key, f"{path}.key") or _lone_surrogate_at(
+                item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if found := _lone_surrogate_at(item, f"{path}[{index}]"):
+                return found
+    return None
+
+
+def parse_json(text: str, where: str):
+    """JSON text from an untrusted file -> its value, bounded: nesting deeper than
+    JSON_DEPTH_LIMIT, duplicate keys and a lone surrogate escape (\\ud800: valid JSON, not
+    Unicode text; it breaks every later encode) raise InputError naming `where` (file, or
+    file:line); malformed text raises json.JSONDecodeError for the caller to word."""
+    if _json_depth_over(text, JSON_DEPTH_LIMIT):
+        raise InputError(f"{where}: JSON nested deeper than {JSON_DEPTH_LIMIT} levels; not a "
+                         "file grpogate reads")
+    value = json.loads(text, object_pairs_hook=_unique_keys(where))
+    # Only a "\ud8xx"-style escape can decode to a surrogate: one search skips the walk.
+    if _SURROGATE_ESCAPE.search(text) and (field := _lone_surrogate_at(value)):
+        raise InputError(f'{where}: field "{field}": a lone surrogate (\\udXXX escape without '
+                         "its pair) is not Unicode text")
+    return value
+
+
+def read_json(path: str | Path):
+    """A whole JSON file through `parse_json` (InputError for bad UTF-8 or malformed JSON)."""
+    try:
+        return parse_json(Path(path).read_text(encoding="utf-8"), str(path))
+    except UnicodeDecodeError as error:
+        raise InputError(f"{path}: not valid UTF-8 (byte {error.start})") from None
+    except json.JSONDecodeError as error:
+        raise InputError(f"{path}: not valid JSON: {error}") from None
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     records = []
     with open(path, encoding="utf-8") as stream:
         for number, line in enumerate(stream, 1):
             if line.strip():
                 try:
-                    records.append(json.loads(line))
+                    records.append(parse_json(line, f"{path}:{number}"))
                 except json.JSONDecodeError as error:
                     raise InputError(f"{path}:{number}: malformed JSON line: {error.msg}") from None
     return records

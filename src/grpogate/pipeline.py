@@ -37,7 +37,7 @@ import torch
 from grpogate import elastic
 from grpogate.config import RunConfig, resume_config
 from grpogate.distributed import SINGLE, StageClock, World, agree_stop
-from grpogate.errors import InputError
+from grpogate.errors import InputError, command, plain
 from grpogate.evidence.assemble import assemble_evidence, library_versions
 from grpogate.evidence.manifest import PROBLEMS_FILE, build_manifest, read_baseline_manifest
 from grpogate.evidence.trackers import Trackers, check_trackers
@@ -344,8 +344,8 @@ def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | Non
             "from_step": state.next_step,
             "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}]
         earlier_seconds = checkpoint["elapsed_seconds"]
-        reporter.log(f"resuming {run_dir} at step {state.next_step + 1}/{config.steps}")
-    reporter.log(f"run directory: {run_dir}")
+        reporter.log(f"resuming {plain(run_dir)} at step {state.next_step + 1}/{config.steps}")
+    reporter.log(f"run directory: {plain(run_dir)}")
     header = {"config": config.to_dict(), "run_label": run_label, "inputs": prepared.inputs,
               "resumes": resumes}
     return OpenRun(run_dir, run_label, log, state, resumes,
@@ -438,10 +438,10 @@ def write_run_files(run_dir: Path, evidence: dict, problems: list[dict],
     try:
         from grpogate.evidence.report import write_report
 
-        reporter.log(f"report: {write_report(run_dir)}")
+        reporter.log(f"report: {plain(write_report(run_dir))}")
     except Exception as error:  # noqa: BLE001
-        reporter.log(f"[yellow]report not written ({type(error).__name__}: {error}); "
-                     f"retry with `grpogate report {run_dir}`")
+        reporter.log(f"[yellow]report not written ({type(error).__name__}: {plain(error)}); "
+                     f"retry with `{command('grpogate', 'report', run_dir)}`")
 
 
 def _execute(admission: Admission, reporter, stop: StopRequest,

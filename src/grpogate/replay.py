@@ -26,7 +26,7 @@ from grpogate.config import resume_config
 from grpogate.errors import InputError
 from grpogate.evidence.assemble import library_versions
 from grpogate.evidence.audit import reload_problem_sets
-from grpogate.files import ADAPTER_WEIGHTS, read_jsonl
+from grpogate.files import ADAPTER_WEIGHTS, parse_json, read_jsonl
 from grpogate.inputs.policy import (TRAINABLE, current_version, load_adapter_state, load_policy)
 from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import StopRequest
@@ -53,10 +53,10 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
     "mismatches"}; mismatches (same shape as the audit's) only when the environment matches."""
     run_dir = Path(run_dir)
     try:
-        evidence = json.loads((run_dir / "evidence.json").read_text(encoding="utf-8"))
+        evidence = parse_json((run_dir / "evidence.json").read_text(encoding="utf-8"),
+                              f"{run_dir}/evidence.json")
         evidence["config"], evidence["inputs"], evidence["artifact"]  # noqa: B018 (present?)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError,
-            TypeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
         raise InputError(f"{run_dir}/evidence.json: cannot replay from it "
                          f"({type(error).__name__}: {error})") from None
     if (evidence.get("comparison") or {}).get("skipped"):

@@ -31,9 +31,33 @@ def _library():
 
 
 def _hashing_config(hashing, run_dir: Path):
-    # The signature cannot cover itself; the lock file is transient and never part of a run.
-    return hashing.Config().set_ignored_paths(paths=[run_dir / SIGNATURE_FILE,
-                                                     run_dir / LOCK_FILE])
+    # The signature cannot cover itself; the lock file is transient (present only while a
+    # writer holds the run, which verification refuses). Nothing else is left out: the
+    # library's default also skips .git/, .github/, .gitattributes and .gitignore, and a file
+    # added under one of those names after signing would still verify.
+    return hashing.Config().set_ignored_paths(
+        paths=[run_dir / SIGNATURE_FILE, run_dir / LOCK_FILE], ignore_git_paths=False)
+
+
+def _elliptic_key(path: str | Path, private: bool) -> None:
+    """Refuse (InputError) a key file that is not a PEM elliptic-curve key of the kind needed:
+    the library's own loader ends in an AttributeError on an RSA or Ed25519 key."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    kind = "private" if private else "public"
+    try:
+        data = Path(path).read_bytes()
+        key = (serialization.load_pem_private_key(data, password=None) if private
+               else serialization.load_pem_public_key(data))
+    except (ValueError, TypeError, OSError) as error:  # not PEM, encrypted, unreadable
+        raise InputError(f"{path}: not a usable PEM {kind} key "
+                         f"({str(error).splitlines()[0][:120]})") from None
+    wanted = ec.EllipticCurvePrivateKey if private else ec.EllipticCurvePublicKey
+    if not isinstance(key, wanted):
+        name = type(key).__name__.lstrip("_").removesuffix("PrivateKey").removesuffix("PublicKey")
+        raise InputError(f"{path}: an {name} key, not an elliptic-curve {kind} key (grpogate "
+                         "signs with EC keys only: openssl ecparam -name prime256v1 -genkey)")
 
 
 def sign_run(run_dir: str | Path, private_key: str | Path) -> Path:
@@ -45,6 +69,7 @@ def sign_run(run_dir: str | Path, private_key: str | Path) -> Path:
     if not Path(private_key).is_file():
         raise InputError(f"{private_key}: no such private key file")
     hashing, signing, _ = _library()
+    _elliptic_key(private_key, private=True)
     with RunDirLock(run_dir):
         try:
             (signing.Config().set_hashing_config(_hashing_config(hashing, run_dir))
@@ -63,10 +88,17 @@ def verify_run(run_dir: str | Path, public_key: str | Path) -> str | None:
     if not (run_dir / SIGNATURE_FILE).is_file():
         return f"{SIGNATURE_FILE} missing: the run is not signed"
     hashing, _, verifying = _library()
+    _elliptic_key(public_key, private=False)
+    if (run_dir / LOCK_FILE).exists():  # the one path the signature leaves out
+        return (f"{LOCK_FILE} present: a grpogate process is writing the run, or a file was "
+                "put under the lock's name")
     try:
         (verifying.Config().set_hashing_config(_hashing_config(hashing, run_dir))
          .use_elliptic_key_verifier(public_key=public_key)
          .verify(run_dir, run_dir / SIGNATURE_FILE))
-    except ValueError as error:
-        return f"{SIGNATURE_FILE} does not verify with {public_key}: {str(error)[:200]}"
+    except Exception as error:  # noqa: BLE001 - whatever the library raises, it did not verify
+        # A damaged run.sig fails in the bundle parser, the JSON reader or the signature check.
+        reason = (str(error).splitlines() or [""])[0][:200]
+        return (f"{SIGNATURE_FILE} does not verify with {public_key}: "
+                f"{type(error).__name__} {reason}".rstrip())
     return None

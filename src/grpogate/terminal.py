@@ -15,11 +15,13 @@ import warnings
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-console = Console(highlight=False)
+from grpogate.errors import plain
+
+# emoji=False: ":warning:" in a recorded string prints as typed, like every other text.
+console = Console(highlight=False, emoji=False)
 DECISION_EXIT_CODES = {"accept": 0, "tune": 3, "reject": 4}
 DECISION_STYLE = {"accept": "bold green", "tune": "bold yellow", "reject": "bold red"}
 BYTE_CHECKS = ("memory",)  # gate checks whose value and threshold are byte counts
@@ -53,7 +55,7 @@ class _ConsoleHandler(logging.Handler):
     """grpogate's own log lines (the GGUF dequantization notice) printed on the console."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        console.print(escape(record.getMessage()), style="dim", soft_wrap=True)
+        console.print(plain(record.getMessage()), style="dim", soft_wrap=True)
 
 
 def quiet_libraries() -> None:
@@ -78,8 +80,8 @@ def quiet_libraries() -> None:
 
 
 def fail(error: Exception) -> None:
-    # escape: a message quoting "[gates]" or a path with brackets is text, not rich markup.
-    console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+    # plain: a message quoting "[gates]", a path with brackets or a file's bytes is text.
+    console.print(f"[bold red]error:[/] {plain(error)}", soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -96,7 +98,7 @@ def human_bytes(count: float) -> str:
 def _shown(value, in_bytes: bool) -> str:
     if in_bytes and isinstance(value, (int, float)) and not isinstance(value, bool):
         return human_bytes(value)
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f"{value:.4g}" if isinstance(value, float) else plain(value)
 
 
 def gates_table(decision: dict) -> Table:
@@ -109,6 +111,7 @@ def gates_table(decision: dict) -> Table:
     for row in decision["checks"]:
         in_bytes = row["name"] in BYTE_CHECKS
         result = "[green]pass" if row["passed"] else "[red]FAIL"
-        table.add_row(row["name"], _shown(row["value"], in_bytes),
-                      _shown(row["threshold"], in_bytes), result, str(row["on_fail"]))
+        # Every cell but the result is read from evidence (decide: a stranger's file): text.
+        table.add_row(plain(row["name"]), _shown(row["value"], in_bytes),
+                      _shown(row["threshold"], in_bytes), result, plain(row["on_fail"]))
     return table

@@ -37,8 +37,8 @@ from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, re
 from grpogate.evidence.manifest import PROBLEMS_FILE, RUN_FILES, build_manifest, trace_ids_sha256
 from grpogate.evidence.rescore import (RescorePlan, announce_cost, audit_reward_set, describe,
                                       recorded_value, refuse_excess_records)
-from grpogate.files import (ADAPTER_WEIGHTS, confined_file, policy_version, read_confined,
-                            safetensors_sha256, sha256_path)
+from grpogate.files import (ADAPTER_WEIGHTS, confined_file, parse_json, policy_version,
+                            read_confined, safetensors_sha256, sha256_path)
 from grpogate.inputs.tasks import load_problem_sets, problem_set_hash, problems_from_records
 from grpogate.inputs.verifiers import get_verifier
 
@@ -92,14 +92,13 @@ def same_value(recorded: Any, recomputed: Any) -> bool:
 
 def _read_object(path: Path, audit: Audit) -> dict | None:
     """A JSON object file; unreadable content is a mismatch (a tampered file), not a crash.
-    InputError when it is not a regular file inside the run directory."""
+    InputError when it is not a regular file inside the run directory, and for JSON no reader
+    may take one way (duplicate keys) or nested past any grpogate file (parse_json)."""
     try:
-        document = json.loads(read_confined(path.parent, path.name).decode("utf-8"))
+        document = parse_json(read_confined(path.parent, path.name).decode("utf-8"), str(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         audit.mismatch(f"{path.name} (not valid JSON: {error})")
         return None
-    except RecursionError:
-        raise InputError(f"{path}: JSON nested too deeply to be a grpogate file") from None
     if not isinstance(document, dict):
         audit.mismatch(f"{path.name} (not a JSON object)")
         return None
@@ -121,13 +120,10 @@ def _numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = parse_json(line, f"{path}:{number}")
         except json.JSONDecodeError:
             audit.mismatch(f"{path.name}:{number} (malformed JSON)")
             continue
-        except RecursionError:
-            raise InputError(f"{path}:{number}: JSON nested too deeply to be a grpogate "
-                             "record") from None
         if isinstance(record, dict):
             records.append((number, record))
         else:
@@ -209,9 +205,18 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
     except (KeyError, TypeError) as error:
         audit.mismatch(f"manifest (cannot be rebuilt from the evidence: missing {error})")
         return
+    unknown_fields(audit, "manifest.json", manifest, rebuilt)
     for key in ("files", "trajectory_identity"):
         rebuilt.pop(key)
     audit.compare("manifest", manifest, rebuilt)
+
+
+def unknown_fields(audit: Audit, name: str, recorded: dict, rebuilt: dict) -> None:
+    """A top-level field the run's own writer never writes is named: a reader of the file
+    must not meet a claim the audit did not check."""
+    for key in recorded:
+        if key not in rebuilt:
+            audit.mismatch(f"{name}: unknown field {key!r}", recorded[key], "absent")
 
 
 def anchored_versions(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, str]:
@@ -415,6 +420,7 @@ def check_assembly(audit: Audit, evidence: dict, trajectories: list[dict],
         audit.mismatch(f"evidence (cannot be rebuilt from the stored records: "
                        f"{type(error).__name__} {error})")
         return
+    unknown_fields(audit, "evidence.json", evidence, rebuilt)
     rebuilt.pop("decision")  # re-decided below, from the evidence as recorded
     for key, value in rebuilt.items():
         audit.compare(key, evidence.get(key), value)

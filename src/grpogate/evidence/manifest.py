@@ -6,12 +6,11 @@ adapter path is relative and may not escape the manifest's directory.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from grpogate.errors import InputError
-from grpogate.files import (ADAPTER_WEIGHTS, confined_file, policy_version, safetensors_sha256,
-                            sha256_bytes, sha256_path)
+from grpogate.files import (ADAPTER_WEIGHTS, confined_file, policy_version, read_json,
+                            safetensors_sha256, sha256_bytes, sha256_path)
 
 MANIFEST_VERSION = 1
 PROBLEMS_FILE = "problems.jsonl"  # every train and eval problem: what `decide` re-scores against
@@ -86,10 +85,7 @@ def read_baseline_manifest(path: str) -> dict:
     file = Path(path)
     if not file.is_file():
         raise InputError(f"{path}: no such baseline manifest")
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InputError(f"{path}: not valid JSON: {error}") from None
+    manifest = read_json(file)
     if not isinstance(manifest, dict):
         raise InputError(f"{path}: a baseline manifest is a JSON object")
     if manifest.get("decision") != "accept":

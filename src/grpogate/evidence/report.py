@@ -24,7 +24,7 @@ from grpogate.errors import InputError
 from grpogate.evidence.decisions import gain_rule
 from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.evidence.report_figures import paired_prompts, render_all, stage_seconds
-from grpogate.files import atomic_write_bytes, read_confined
+from grpogate.files import atomic_write_bytes, parse_json, read_confined
 
 REPORT_HTML = "report.html"
 FIGURE_NAMES = ("stages", "steps", "lengths", "per_prompt", "intervals")
@@ -394,7 +394,8 @@ def _read_jsonl(path: Path) -> list[dict]:
     renders from the evidence; `grpogate decide` is what judges the files)."""
     try:
         lines = read_confined(path.parent, path.name).decode("utf-8").splitlines()
-        return [record for record in map(json.loads, filter(str.strip, lines))
+        return [record for record in (parse_json(line, f"{path}:{number}")
+                                      for number, line in enumerate(lines, 1) if line.strip())
                 if isinstance(record, dict)]
     except (InputError, OSError, UnicodeDecodeError, json.JSONDecodeError):
         return []
@@ -405,16 +406,23 @@ def write_report(run_dir: str | Path) -> Path:
     shown, run_dir = str(run_dir), Path(run_dir)
     try:
         # Only a regular file inside the run directory is opened (a FIFO would hang the report).
-        evidence = json.loads(read_confined(run_dir, "evidence.json").decode("utf-8"))
-    except InputError:
-        raise InputError(f"{run_dir}: not a run directory (no evidence.json, or not a regular "
-                         "file)") from None
+        evidence = parse_json(read_confined(run_dir, "evidence.json").decode("utf-8"),
+                              f"{run_dir}/evidence.json")
+    except InputError as error:
+        if not (run_dir / "evidence.json").is_file():
+            raise InputError(f"{run_dir}: not a run directory (no evidence.json, or not a "
+                             "regular file)") from None
+        raise error
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise InputError(f"{run_dir}/evidence.json: not valid JSON: {error}") from None
+    if not isinstance(evidence, dict):
+        raise InputError(f"{run_dir}/evidence.json: not a JSON object")
     try:  # the manifest only adds file hashes; a run without one still gets its report
-        manifest = json.loads(read_confined(run_dir, "manifest.json").decode("utf-8"))
+        manifest = parse_json(read_confined(run_dir, "manifest.json").decode("utf-8"),
+                              f"{run_dir}/manifest.json")
     except (InputError, json.JSONDecodeError, UnicodeDecodeError):
         manifest = {}
+    manifest = manifest if isinstance(manifest, dict) else {}
     problems = {str(p.get("prompt_id")): p for p in _read_jsonl(run_dir / PROBLEMS_FILE)}
     pngs = render_all(evidence)
     for name, data in pngs.items():

@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from grpogate.errors import InputError
 from grpogate.files import sha256_path
 
 LOG = logging.getLogger("grpogate")  # the CLI prints these lines (terminal.quiet_libraries)
@@ -38,8 +39,7 @@ def dequantized_cache(gguf: Path, gguf_sha256: str, cache_root: Path) -> Path:
     else:
         # About 20 s of silence otherwise: say what is happening, and that it happens once.
         LOG.info(f"dequantizing {gguf.name} into {target} (first use only, about 20 s)")
-    cache_root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_root))
+    staging = _staging_in(cache_root)
     try:
         _write_cache_entry(gguf, staging)
         files = {p.name: sha256_path(p) for p in sorted(staging.iterdir()) if p.is_file()}
@@ -58,6 +58,17 @@ def dequantized_cache(gguf: Path, gguf_sha256: str, cache_root: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def _staging_in(cache_root: Path) -> Path:
+    """A fresh staging directory in the cache root, made if needed; a root that cannot be a
+    directory (a file, a path under /sys or /proc, no permission) is the user's setting to fix."""
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_root))
+    except OSError as error:
+        raise InputError(f"{cache_root}: cannot hold the model cache ({error.strerror}); set "
+                         "GRPOGATE_CACHE (or cache_dir) to a writable directory") from None
 
 
 def _cache_problem(entry: Path) -> str | None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpogate.errors import InputError
+from grpogate.files import parse_json
 
 # The official GSM8K answer ends in "#### N"; N may carry thousands separators or a sign.
 # ASCII digits only: the verifier reads 0-9 (its _NUMBER is re.ASCII), so a reference whose
@@ -98,7 +99,7 @@ def _read_jsonl(path: Path, shown: str) -> list[tuple[int, str, str]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = parse_json(line, where)
         except json.JSONDecodeError as exc:
             # exc's own text says "line 1" (of this one line); name the column instead.
             raise InputError(f"{where}: malformed JSON: {exc.msg} (column {exc.colno})") from exc

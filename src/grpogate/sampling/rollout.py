@@ -57,9 +57,23 @@ class Completion:
 
 def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str,
                    max_prompt_tokens: int) -> list[list[int]]:
-    """Chat-template every question; a prompt over budget is an input error, never truncated."""
-    encoded = []
+    """Chat-template every question; a prompt over budget is an input error, never truncated.
+
+    A question is first held to a byte bound, before the tokenizer sees it: a prompt of
+    max_prompt_tokens tokens spans at most max_prompt_tokens x (the vocabulary's longest token
+    in UTF-8 bytes), so a longer question cannot fit, and tokenizing it whole (a 50 MB line:
+    minutes and gigabytes) would only confirm that."""
+    encoded, byte_bound = [], None
     for problem in problems:
+        size = len(problem.question.encode("utf-8"))
+        if size > max_prompt_tokens:  # only then can it be over the bound (a token >= 1 byte)
+            byte_bound = byte_bound or max_prompt_tokens * longest_token_bytes(tokenizer)
+            if size > byte_bound:
+                raise InputError(
+                    f"{problem.source}: prompt {problem.prompt_id} is {size} bytes, over the "
+                    f"{byte_bound} bytes that max_prompt_tokens={max_prompt_tokens} tokens can "
+                    f"hold (x {byte_bound // max_prompt_tokens} bytes, this vocabulary's longest "
+                    "token); drop the problem")
         messages = [{"role": "system", "content": system_prompt},
                     {"role": "user", "content": problem.question}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -72,6 +86,14 @@ def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str,
                 f"max_prompt_tokens={max_prompt_tokens}; raise max_prompt_tokens or drop the problem")
         encoded.append(ids)
     return encoded
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes one token of `tokenizer` stands for: its longest
+    vocabulary entry as stored (a byte-level entry's characters are at least as many bytes as
+    the bytes they map; "<0xE3>" is longer than its one byte), and never under 4 (one
+    character)."""
+    return max(4, max(len(token.encode("utf-8")) for token in tokenizer.get_vocab()))
 
 
 SAMPLE_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
@@ -179,13 +201,20 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
     """
     advance = advance or (lambda count: None)
     generators = generator if isinstance(generator, list) else [generator] * len(prompts)
+    total, reported = len(prompts) * group_size, 0
+    # A batch under ROW_BUCKET rows rides with copies of its last prompt (never live, their own
+    # generator): below 8 rows the CPU matmul takes another kernel whose sums round
+    # differently (measured: 1 ulp of a log-prob), so a prompt alone on a rank would not
+    # reproduce the log-probs it gets in one process's larger batch.
+    fillers = -(-max(ROW_BUCKET - total, 0) // group_size)
+    prompts = prompts + [prompts[-1]] * fillers
+    generators = generators + [torch.Generator().manual_seed(0)] * fillers
     logits = stepper.prefill(prompts, pad_id, group_size, settings.max_new_tokens, shared)
     rows = torch.arange(logits.shape[0], device=device)  # original row of each batch row
-    live = torch.ones(len(rows), dtype=torch.bool, device=device)  # not yet past EOS
+    live = rows < total  # not yet past EOS (a filler row never is)
     tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
     logprobs: list[list[float]] = [[] for _ in range(logits.shape[0])]
     eos = torch.tensor(sorted(eos_ids), device=device)
-    total, reported = len(tokens), 0
     for step in range(settings.max_new_tokens):
         uniforms = _row_uniforms(generators, rows, group_size)  # [rows, 1]
         chosen, chosen_logp = _sample(logits, settings.temperature, settings.top_p, uniforms,
@@ -216,7 +245,7 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
         logits = stepper.step(chosen)
     if reported < total:  # rows cut off by the token budget
         advance(total - reported)
-    return tokens, logprobs
+    return tokens[:total], logprobs[:total]
 
 
 def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], group_size: int,

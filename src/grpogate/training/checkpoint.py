@@ -31,7 +31,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from grpogate.errors import InputError
-from grpogate.files import atomic_directory, sha256_bytes, sha256_path, to_json
+from grpogate.files import atomic_directory, parse_json, sha256_bytes, sha256_path, to_json
 
 CHECKPOINT_FORMAT = 1
 CHECKPOINTS = "checkpoints"
@@ -146,7 +146,7 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     directory = candidates[-1]
     where = f"{directory}/{STATE_FILE}"
     try:
-        state = json.loads((directory / STATE_FILE).read_text(encoding="utf-8"))
+        state = parse_json((directory / STATE_FILE).read_text(encoding="utf-8"), where)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise InputError(f"{where}: unreadable checkpoint state ({error})") from None
     if not isinstance(state, dict) or state.get("checkpoint_format") != CHECKPOINT_FORMAT:
@@ -203,8 +203,8 @@ def checkpoint_to_resume(run_dir: str | Path) -> Checkpoint:
 def _interrupted(manifest: Path) -> bool:
     """An interim manifest: the run was stopped by a signal and may be continued."""
     try:
-        document = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        document = parse_json(manifest.read_text(encoding="utf-8"), str(manifest))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, InputError):
         return False
     return isinstance(document, dict) and document.get("status") == "interrupted"
 

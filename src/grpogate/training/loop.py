@@ -23,10 +23,9 @@ import functools
 import time
 from dataclasses import dataclass, field
 
-from rich.markup import escape
-
 from grpogate.config import RunConfig
 from grpogate.distributed import SINGLE, StageClock, World, agree_stop, in_shard_order, shard
+from grpogate.errors import plain
 from grpogate.evidence import decisions
 from grpogate.evidence.metrics import rollout_summary
 from grpogate.evidence.assemble import rollout_seed, step_summary, update_throughput
@@ -294,7 +293,7 @@ def _update(loop: Loop, state: LoopState, step: int, rollout: Rollout):
 
     def on_retry(error: str, micro_batch_size: int) -> None:
         state.oom_retries += 1
-        loop.reporter.log(f"[yellow]{escape(error)}: retrying the update once at "
+        loop.reporter.log(f"[yellow]{plain(error)}: retrying the update once at "
                           f"micro_batch_size {micro_batch_size}")
 
     clock = StageClock(loop.world)
@@ -310,7 +309,7 @@ def _update(loop: Loop, state: LoopState, step: int, rollout: Rollout):
         # failure): what gets saved is the last good one.
         state.seconds["update"] += clock.wall()
         state.own_seconds["update"] += clock.own()
-        loop.reporter.log(f"[red]{escape(str(error))}: stopping; the last good adapter is kept")
+        loop.reporter.log(f"[red]{plain(error)}: stopping; the last good adapter is kept")
         state.status = ("non_finite_update" if isinstance(error, NonFiniteUpdate)
                         else "update_failed")
         state.failure = {"step": step, "message": str(error)}
