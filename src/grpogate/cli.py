@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from grpogate import cli_eval
+from grpogate import cli_eval, cli_gate
 from grpogate.config import load_config
 from grpogate.errors import InputError
 from grpogate.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
@@ -292,10 +292,10 @@ def decide(
     Exit codes: 0 the audit agrees with the run's own decision and nothing mismatches; 4 reject
     because something mismatches (the fields are named); 2 not a readable run directory.
     """
-    from grpogate.evidence.audit import audit_run
+    from grpogate.evidence.foreign_audit import audit_any
 
     try:
-        audit = audit_run(run_dir)
+        audit = audit_any(run_dir)
         if replay:
             from grpogate.replay import apply_replay, replay_retest
 
@@ -317,6 +317,8 @@ def decide(
         console.print(gates_table({"checks": audit["checks"]}))
         if audit["checks"]:  # an unreadable evidence file has no gates to read
             console.print(audit["gain_rule_line"], soft_wrap=True)
+        if audit.get("not_checkable"):  # a gated foreign run
+            console.print(f"[yellow]not re-checkable:[/] {audit['not_checkable']}", soft_wrap=True)
         for name, gate in audit.get("non_default_gates", {}).items():
             console.print(f"[yellow]non-default gate[/] {name} = {gate['value']!r} "
                           f"(default {gate['default']!r})", soft_wrap=True)
@@ -348,6 +350,7 @@ def _short(value, limit: int = 80) -> str:
 
 app.command("eval")(cli_eval.eval_policy)
 app.command()(cli_eval.compare)
+app.command("gate")(cli_gate.gate_command(_print_run_result))
 
 
 @app.command()
