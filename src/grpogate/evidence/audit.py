@@ -266,7 +266,8 @@ def _budget_consistent(record: dict, max_new_tokens: Any) -> bool:
 def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]], verifier,
                   references: dict[str, str] | None,
                   expected: Callable[[dict], dict[str, Any]],
-                  max_new_tokens: Any, reward_set=None) -> None:
+                  max_new_tokens: Any, reward_set=None,
+                  questions: dict[str, str] | None = None) -> None:
     """Per line: the prompt belongs to the set, identities match, the reward re-scores equal.
     With `reward_set` (training records), every component is re-scored with the run's own
     reward functions and `reward` must be their weighted total; without it (the re-test),
@@ -296,7 +297,9 @@ def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]]
         if reward_set is not None:
             tokens = record.get("completion_tokens")
             components = reward_set.score(record.get("completion"), reference,
-                                          tokens if isinstance(tokens, int) else 0, rescored)
+                                          tokens if isinstance(tokens, int) else 0, rescored,
+                                          question=(questions or {}).get(
+                                              str(record.get("prompt_id")), ""))
             audit.compare(f"{where} rewards", record.get("rewards"), components)
             rescored = reward_set.total(components)
         if not same_value(record.get("reward"), rescored):
@@ -395,14 +398,15 @@ def _read_run(audit: Audit, run_dir: Path) -> tuple[dict, list, list]:
 
 
 def _reload_references(audit: Audit, evidence: dict, run_dir: Path
-                       ) -> tuple[dict | None, dict | None]:
-    """Reference answers by prompt id of the stored train and eval sets (None: unavailable).
+                       ) -> tuple[dict | None, dict | None, dict | None]:
+    """Reference answers by prompt id of the stored train and eval sets, and the train set's
+    questions (what a TRL-style reward function is given) (None: unavailable).
 
     Each set must hash (the run's own `problem_set_hash`) to the identity the evidence records
     and hold as many problems as the config asked for."""
     stored = stored_problem_sets(run_dir, audit)
     if stored is None:
-        return None, None
+        return None, None, None
     config = evidence["config"]
     for name, problems, size in (("train_set", stored[0], config["train_prompts"]),
                                  ("eval_set", stored[1], config["eval_prompts"])):
@@ -411,7 +415,8 @@ def _reload_references(audit: Audit, evidence: dict, run_dir: Path
                       problem_set_hash(problems))
         audit.compare(f"{PROBLEMS_FILE} {name} size", size, len(problems))
     return ({p.prompt_id: p.reference for p in stored[0]},
-            {p.prompt_id: p.reference for p in stored[1]})
+            {p.prompt_id: p.reference for p in stored[1]},
+            {p.prompt_id: p.question for p in stored[0]})
 
 
 def _reward_set(audit: Audit, evidence: dict, verifier):
@@ -430,7 +435,7 @@ def _reward_set(audit: Audit, evidence: dict, verifier):
 
 def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numbered_eval,
                        train_refs, eval_refs, verifier, reward_set,
-                       policy_versions: dict[str, str]) -> None:
+                       policy_versions: dict[str, str], train_questions=None) -> None:
     versions = {s.get("step"): s.get("policy_version") for s in evidence.get("steps") or []}
     verifier_version = evidence["inputs"]["verifier"]["version"]
     max_new_tokens = evidence["config"]["max_new_tokens"]
@@ -438,7 +443,7 @@ def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numb
                   lambda r: {"verifier_version": verifier_version,
                              "source_policy_version": versions.get(
                                  r.get("step"), r.get("source_policy_version"))},
-                  max_new_tokens, reward_set)
+                  max_new_tokens, reward_set, train_questions)
     check_records(audit, "eval_completions.jsonl", numbered_eval, verifier, eval_refs,
                   lambda r: {"verifier_version": verifier_version,
                              "seed": evidence["seeds"]["eval"],
@@ -473,11 +478,11 @@ def audit_run(run_dir: str | Path) -> dict[str, Any]:
         if manifest:
             check_hashes(audit, run_dir, manifest, evidence, trajectories)
         versions = anchored_versions(audit, run_dir, evidence)
-        train_refs, eval_refs = _reload_references(audit, evidence, run_dir)
+        train_refs, eval_refs, train_questions = _reload_references(audit, evidence, run_dir)
         verifier = _verifier(audit, evidence)
         reward_set = _reward_set(audit, evidence, verifier)
         _check_all_records(audit, evidence, numbered_trajectories, numbered_eval, train_refs,
-                           eval_refs, verifier, reward_set, versions)
+                           eval_refs, verifier, reward_set, versions, train_questions)
         check_steps(audit, evidence, trajectories,
                     reward_set.versions if reward_set is not None else None)
         check_retest_records(audit, evidence, eval_records, list(eval_refs) if eval_refs else None)

@@ -12,7 +12,13 @@ as TRL's `reward_funcs` + `reward_weights` do; the built-in ones are
 
 and `module:function` is a user's pure-Python `(completion, reference) -> float`, run under a
 time limit; an exception, a timeout or a non-finite result scores 0.0 and is counted.
-Every component has a `version`; the weighted total is `math.fsum(weight * value)`.
+A TRL reward function is taken as it is (`trl_signature`: it has a `completions` parameter):
+`f(prompts, completions, **kwargs) -> list[float | None]`, called with one conversational
+prompt (the user message), one completion (`[{"role": "assistant", "content": text}]`) and the
+problem's `reference` column; `None` means "not applicable" and the component's value is None.
+Every component has a `version`; the weighted total is `math.fsum(weight * value)` over the
+components that apply — TRL's `nansum`, None counting as 0 (a completion no component applies
+to totals 0.0, where TRL would mark it unscorable).
 
 >>> format_reward("so 3 + 4 = 7\\nAnswer: 7")
 1.0
@@ -124,6 +130,29 @@ def load_user_reward(path: str) -> tuple[Callable, str]:
     return function, f"{path}@sha256:{hashlib.sha256(source).hexdigest()[:16]}"
 
 
+def trl_signature(function: Callable) -> bool:
+    """Whether `function` is written for TRL's `reward_funcs` (a `completions` parameter)."""
+    try:
+        return "completions" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: the classic form
+        return False
+
+
+class TrlStyleReward:
+    """A TRL reward function called one completion at a time, as RewardSet scores."""
+
+    def __init__(self, function: Callable) -> None:
+        self.function = function
+
+    def __call__(self, completion: Any, reference: Any, question: str = "") -> float | None:
+        values = self.function(prompts=[[{"role": "user", "content": question}]],
+                               completions=[[{"role": "assistant", "content": completion}]],
+                               reference=[reference])
+        if not isinstance(values, (list, tuple)) or len(values) != 1:
+            raise ValueError(f"returned {values!r}, not a list of one reward per completion")
+        return values[0]
+
+
 @dataclass
 class RewardSet:
     """The run's reward components, their weights and versions, and the errors they caused."""
@@ -139,19 +168,27 @@ class RewardSet:
         return sum(self.error_counts.values())
 
     def score(self, completion: Any, reference: Any, completion_tokens: int,
-              correctness: float) -> dict[str, float]:
+              correctness: float, question: str = "") -> dict[str, float | None]:
         """Every component's value; `correctness` is the verifier's reward, scored by the caller
-        (the verifier keeps its own error count)."""
+        (the verifier keeps its own error count). `question`: the prompt a TRL-style function
+        receives. A TRL-style function's None ("not applicable") stays None."""
         values = {}
         for name in self.weights:
             values[name] = (float(correctness) if name == CORRECTNESS else
-                            self._guarded(name, completion, reference, completion_tokens))
+                            self._guarded(name, completion, reference, completion_tokens,
+                                          question))
         return values
 
-    def _guarded(self, name: str, completion: Any, reference: Any, tokens: int) -> float:
+    def _guarded(self, name: str, completion: Any, reference: Any, tokens: int,
+                 question: str = "") -> float | None:
         function = self.functions[name]
         try:
-            if USER_REWARD_PATH.fullmatch(name):
+            if isinstance(function, TrlStyleReward):
+                value = call_with_time_limit(function, (completion, reference, question),
+                                             self.user_time_limit_seconds)
+                if value is None:
+                    return None
+            elif USER_REWARD_PATH.fullmatch(name):
                 value = call_with_time_limit(function, (completion, reference),
                                              self.user_time_limit_seconds)
             else:
@@ -164,8 +201,10 @@ class RewardSet:
             return 0.0
         return value
 
-    def total(self, values: dict[str, float]) -> float:
-        return math.fsum(self.weights[name] * values[name] for name in self.weights)
+    def total(self, values: dict[str, float | None]) -> float:
+        """The weighted sum over the components that apply (None: TRL's nansum skips it)."""
+        return math.fsum(self.weights[name] * values[name] for name in self.weights
+                         if values[name] is not None)
 
     def describe(self) -> list[dict]:
         return [{"name": name, "weight": weight, "version": self.versions[name]}
@@ -196,6 +235,9 @@ def build_reward_set(specs: list[dict], verifier_version: str, *, max_new_tokens
                 penalty_factor=overlong_penalty_factor)
         else:
             functions[name], versions[name] = load_user_reward(name)
+            if trl_signature(functions[name]):
+                functions[name] = TrlStyleReward(functions[name])
+                versions[name] += "+trl-signature"
     return RewardSet(weights, versions, functions, user_time_limit_seconds)
 
 
