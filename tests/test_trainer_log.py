@@ -150,6 +150,10 @@ def test_a_good_directory_and_its_newest_checkpoint(tmp_path):
     assert trl_settings(found, {"num_generations": 4}, "f")["per_device_train_batch_size"] == 8
     with pytest.raises(InputError, match="num_generations must be a whole number"):
         trl_settings(found, {}, "--num-generations")
+    declared = {"num_generations": 4, "output_dir": "/x", "beta": 0.0}
+    assert "output_dir" not in trl_settings(found, declared, "f")  # recorded settings only
+    with pytest.raises(InputError, match="steps_per_generation=2 differs"):
+        trl_settings(found, {"num_generations": 4, "steps_per_generation": 2}, "f")
 
 
 @pytest.mark.parametrize("damage, message", [

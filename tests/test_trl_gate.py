@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_SIZES
 from helpers import alternating_rewards, sha256
+from trl_style_rewards import parity_reward  # the same function grpogate runs (test_api.py)
 from typer.testing import CliRunner
 
 from grpogate.cli import app
@@ -22,13 +23,6 @@ from grpogate.cli import app
 trl = pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[bench]')")
 
 GROUP_SIZE = 4
-
-
-def parity_reward(prompts, completions, **kwargs):
-    """A TRL-signature reward: 1 for a completion of odd character length. On a random model
-    it splits most groups, so TRL's log has valid groups to count."""
-    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    return [float(len(text) % 2) for text in texts]
 
 
 def tiny_sets() -> list[str]:

@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from grpogate import cli_eval, cli_gate
+from grpogate import api, cli_eval, cli_gate
 from grpogate.config import load_config
 from grpogate.errors import InputError
 from grpogate.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
@@ -188,7 +188,7 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
             if resume is not None:
                 evidence = pipeline.resume(resume, config, reporter, world)
             else:
-                evidence = pipeline.run(config, reporter, world)
+                evidence = api.run(config, reporter, world).evidence
     except InputError as error:
         fail(error)
     except OSError as error:

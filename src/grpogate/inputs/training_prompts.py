@@ -80,6 +80,6 @@ def training_problems(config, train_data: str, from_config: bool
         return train, identity, "the config's train split"
     if train_data:
         train = read_train_data(train_data)
-        return train, {"file": str(Path(train_data).resolve()), "prompts": len(train),
+        return train, {"data_file": str(Path(train_data).resolve()), "prompts": len(train),
                        "problem_set_sha256": tasks.problem_set_hash(train)}, "--train-data"
     return None, {"checked": False}, ""

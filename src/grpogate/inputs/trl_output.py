@@ -159,6 +159,12 @@ TRL_DEFAULTS = {"gradient_accumulation_steps": 1, "num_iterations": 1, "num_proc
                 "scale_rewards": "group", "multi_objective_aggregation": "sum_then_normalize"}
 WHOLE_NUMBER_SETTINGS = ("num_generations", "per_device_train_batch_size",
                          "gradient_accumulation_steps", "num_iterations", "num_processes")
+# What the evidence records of a declared GRPOConfig (a settings file holds every field).
+RECORDED_SETTINGS = WHOLE_NUMBER_SETTINGS + (
+    "steps_per_generation", "scale_rewards", "multi_objective_aggregation", "loss_type", "beta",
+    "epsilon", "epsilon_high", "importance_sampling_level", "learning_rate", "lr_scheduler_type",
+    "max_completion_length", "temperature", "top_p", "top_k", "max_steps", "seed",
+    "reward_weights", "mask_truncated_completions")
 
 
 def read_settings_file(path: str) -> dict:
@@ -186,7 +192,12 @@ def trl_settings(output: TrlOutput, declared: dict, where: str) -> dict:
     batch = output.trainer_state.get("train_batch_size")
     if type(batch) is int:
         settings["per_device_train_batch_size"] = batch
-    settings.update({k: v for k, v in declared.items() if v is not None})
+    settings.update({k: v for k, v in declared.items() if v is not None and k in RECORDED_SETTINGS})
+    steps_per_generation = settings.get("steps_per_generation")
+    if steps_per_generation not in (None, settings.get("gradient_accumulation_steps")):
+        raise InputError(f"{where}: steps_per_generation={steps_per_generation!r} differs from "
+                         "gradient_accumulation_steps; reading such a log is not supported "
+                         "(its entries do not each follow one generation)")
     for key in WHOLE_NUMBER_SETTINGS:
         value = settings.get(key)
         if type(value) is not int or value < 1:
