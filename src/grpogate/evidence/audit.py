@@ -491,6 +491,11 @@ def audit_run(run_dir: str | Path) -> dict[str, Any]:
         # A field the audit needs is missing or of the wrong type: unreadable evidence.
         audit.mismatch(f"evidence (malformed: {type(error).__name__} {error})")
 
+    return verdict(audit, run_dir, evidence)
+
+
+def verdict(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, Any]:
+    """Re-decide from the evidence as recorded; any mismatch found makes it `reject`."""
     recomputed = decisions.decide_run(evidence, (evidence.get("config") or {}).get("gates"))
     audit.compare("decision", evidence.get("decision"), recomputed)
     recorded = (evidence.get("decision") or {}).get("decision") if isinstance(

@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from grpogate.errors import InputError
-from grpogate.evidence import decisions
 from grpogate.evidence.audit import (Audit, _numbered_jsonl, _read_object, _read_run, _verifier,
                                      anchored_versions, audit_run, check_hashes, check_records,
-                                     check_retest_records, non_default_gates)
+                                     check_retest_records, verdict)
 from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.evidence.trainer_log import assemble_foreign_evidence, foreign_facts
 from grpogate.files import sha256_path
@@ -113,17 +112,4 @@ def audit_foreign_run(run_dir: str | Path) -> dict[str, Any]:
             _check_assembly(audit, evidence, log, eval_records)
     except (KeyError, TypeError, AttributeError) as error:
         audit.mismatch(f"evidence (malformed: {type(error).__name__} {error})")
-    gates = (evidence.get("config") or {}).get("gates")
-    recomputed = decisions.decide_run(evidence, gates)
-    audit.compare("decision", evidence.get("decision"), recomputed)
-    recorded = (evidence.get("decision") or {}).get("decision") if isinstance(
-        evidence.get("decision"), dict) else None
-    return {
-        "run_dir": str(run_dir), "recorded_decision": recorded,
-        "decision": "reject" if audit.mismatches else recomputed["decision"],
-        "agrees": not audit.mismatches and recomputed["decision"] == recorded,
-        "mismatches": audit.mismatches, "checks": recomputed["checks"],
-        "non_default_gates": non_default_gates(evidence),
-        "gain_rule": decisions.gain_rule(gates), "gain_rule_line": decisions.gain_rule_line(gates),
-        "not_checkable": NOT_CHECKABLE,
-    }
+    return verdict(audit, run_dir, evidence) | {"not_checkable": NOT_CHECKABLE}

@@ -26,8 +26,8 @@ import math
 
 from grpogate.errors import InputError
 from grpogate.evidence import decisions
-from grpogate.evidence.assemble import (EVIDENCE_VERSION, comparison_section, run_status, seeds,
-                                        skipped_comparison)
+from grpogate.evidence.assemble import (EVIDENCE_VERSION, comparison_section, decided,
+                                        run_status, seeds, skipped_comparison)
 
 SOURCE = decisions.FOREIGN_LOG
 SOURCE_NOTE = ("read from the trainer's own log (trainer_state.json log_history); the run "
@@ -217,13 +217,7 @@ def assemble_foreign_evidence(facts: dict, config: dict, trainer_state: dict,
                     "evaluation_seconds": seconds["evaluation"], "checkpoint_seconds": 0.0},
         "resources": facts["resources"], "artifact": facts["artifact"], "steps": steps,
     }
-    candidate = decisions.evaluate_grpo_candidate(evidence, config["gates"])
-    for key in ("effective_trajectory_count", "effective_trajectories_per_second",
-                "valid_group_ratio"):
-        evidence[key] = candidate[key]
-    evidence["timings"]["total_seconds"] = seconds["total"]
-    evidence["decision"] = decisions.decide_run(evidence, config["gates"])
-    return evidence
+    return decided(evidence, config["gates"], seconds["total"])
 
 
 def foreign_facts(evidence: dict) -> dict:
