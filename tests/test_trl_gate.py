@@ -20,8 +20,6 @@ from typer.testing import CliRunner
 
 from grpogate.cli import app
 
-trl = pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[bench]')")
-
 GROUP_SIZE = 4
 
 
@@ -33,6 +31,7 @@ def tiny_sets() -> list[str]:
 def trl_run(tiny_config, tmp_path_factory):
     """TRL 2 steps x 2 prompts x G = 4 on the tiny model over the tiny config's train split;
     returns (output_dir, train.jsonl, the reward batches TRL scored)."""
+    trl = pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[bench]')")
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer
