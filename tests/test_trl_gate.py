@@ -7,6 +7,7 @@ grpogate run's own adapter, gated as a foreign PEFT directory, re-tests exactly 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import pickle
 import shutil
@@ -70,6 +71,19 @@ def trl_run(tiny_config, tmp_path_factory):
     return root / "out", root / "train.jsonl", batches
 
 
+def key_pair(directory: Path) -> tuple[Path, Path]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    private = ec.generate_private_key(ec.SECP256R1())
+    (directory / "key.pem").write_bytes(private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    (directory / "key.pub").write_bytes(private.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    return directory / "key.pem", directory / "key.pub"
+
+
 def planted_pickle(marker: Path) -> bytes:
     """A pickle that creates `marker` when it is loaded (what training_args.bin could do)."""
 
@@ -123,6 +137,11 @@ def test_a_trl_run_is_gated_audited_replayed_and_reported(trl_run, tiny_model_di
     # --replay 2 rounds up to the decode batch: all 4 eval prompts x 2 samples x 2 policies
     assert "16/16 completions equal" in decided.output
     assert not marker.exists()
+    if importlib.util.find_spec("model_signing") is not None:  # the signing extra
+        private, public = key_pair(tmp_path)
+        assert CliRunner().invoke(app, ["sign", str(run_dir), "--key", str(private)]).exit_code == 0
+        verified = CliRunner().invoke(app, ["decide", str(run_dir), "--verify-key", str(public)])
+        assert verified.exit_code == 0 and "run.sig verifies" in verified.output, verified.output
     # The log is pinned: one changed number in the copy is a named mismatch.
     state = json.loads((run_dir / "trainer_state.json").read_text())
     state["log_history"][0]["frac_reward_zero_std"] = 1.0
