@@ -14,9 +14,11 @@ train_prompts = steps x prompts_per_step). A `RunConfig` built or changed by han
 when it runs. `run` is what `grpogate run` executes (the CLI is a thin layer over it).
 
 Errors: anything wrong with the inputs (a key, a value, a file, a model, a dataset, an output
-directory that exists) raises `grpogate.InputError` (a ValueError) with one line naming the
-file and field, before anything is written. A run stopped by SIGINT / SIGTERM returns its
-result with status "interrupted" (continue it with `grpogate run --resume RUN_DIR`).
+directory that exists, a full disk) raises `grpogate.InputError` (a ValueError) with one line
+naming the file and field; input errors are found before anything is written. A run stopped by
+SIGINT / SIGTERM returns its result with status "interrupted" (continue it with
+`grpogate run --resume RUN_DIR`), or, stopped before it wrote anything, raises
+`grpogate.interrupts.RunInterrupted`.
 """
 
 from __future__ import annotations
