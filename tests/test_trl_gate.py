@@ -231,3 +231,10 @@ def test_a_grpogate_adapter_gated_as_foreign_retests_as_eval_and_compare(tiny_co
     assert paired == gated["comparison"]["paired"]
     # and the grpogate run's own re-test of the same adapter, on the same seeds
     assert gated["comparison"]["paired"] == ran["comparison"]["paired"]
+    # isolation was checked against the config's train split, so nothing keeps it from accept
+    # but the gates; `decide` re-checks the gated run from its files and agrees.
+    assert gated["foreign"]["admission"]["isolation"]["checked"] is True
+    from grpogate.evidence.foreign_audit import audit_any
+
+    audit = audit_any(tmp_path / "b" / "run")
+    assert audit["mismatches"] == [] and audit["agrees"] and "not_checkable" in audit
