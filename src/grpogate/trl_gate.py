@@ -33,8 +33,8 @@ from grpogate.files import (ADAPTER_WEIGHTS, RunDirLock, atomic_directory, atomi
                             refuse_output_inside_a_run, safetensors_sha256, sha256_path)
 from grpogate.inputs import tasks
 from grpogate.inputs.candidate import attach_candidate
-from grpogate.inputs.policy import (BaseModelSource, check_adapter_dir, default_cache_dir,
-                                    load_policy, resolve_base_model)
+from grpogate.inputs.policy import (BaseModelSource, check_adapter_dir, load_policy,
+                                    resolve_base_model)
 from grpogate.inputs.trl_output import (ADAPTER_CONFIG, TrlOutput, read_settings_file,
                                         read_trl_output, trl_settings)
 from grpogate.inputs.verifiers import get_verifier
