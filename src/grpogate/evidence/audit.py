@@ -372,9 +372,16 @@ def check_assembly(audit: Audit, evidence: dict, trajectories: list[dict],
                    eval_records: list[dict]) -> None:
     """Rebuild the evidence document from the recorded facts and the stored records with the
     run's own function; every derived field must come out as recorded."""
+    compare_rebuilt(audit, evidence, lambda: assemble_evidence(
+        recorded_facts(evidence), evidence["config"], evidence.get("steps") or [], trajectories,
+        eval_records))
+
+
+def compare_rebuilt(audit: Audit, evidence: dict, rebuild: Callable[[], dict]) -> None:
+    """Every field of the evidence `rebuild()` assembles must be as recorded; one that cannot
+    be rebuilt (ValueError, including InputError, KeyError, TypeError) is a mismatch."""
     try:
-        rebuilt = assemble_evidence(recorded_facts(evidence), evidence["config"],
-                                    evidence.get("steps") or [], trajectories, eval_records)
+        rebuilt = rebuild()
     except (ValueError, KeyError, TypeError) as error:
         audit.mismatch(f"evidence (cannot be rebuilt from the stored records: "
                        f"{type(error).__name__} {error})")

@@ -20,7 +20,7 @@ from typing import Any
 from grpogate.errors import InputError
 from grpogate.evidence.audit import (Audit, _numbered_jsonl, _read_object, _read_run, _verifier,
                                      anchored_versions, audit_run, check_hashes, check_records,
-                                     check_retest_records, verdict)
+                                     check_retest_records, compare_rebuilt, verdict)
 from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.evidence.trainer_log import assemble_foreign_evidence, foreign_facts
 from grpogate.files import sha256_path
@@ -74,16 +74,9 @@ def _check_problems(audit: Audit, run_dir: Path, evidence: dict) -> dict | None:
 
 
 def _check_assembly(audit: Audit, evidence: dict, log: dict, eval_records: list[dict]) -> None:
-    try:
-        rebuilt = assemble_foreign_evidence(foreign_facts(evidence), evidence["config"], log,
-                                            eval_records)
-    except (InputError, ValueError, KeyError, TypeError) as error:
-        audit.mismatch(f"evidence (cannot be rebuilt from the stored log and records: "
-                       f"{type(error).__name__} {error})")
-        return
-    rebuilt.pop("decision")  # re-decided below, from the evidence as recorded
-    for key, value in rebuilt.items():
-        audit.compare(key, evidence.get(key), value)
+    """The gate's own assembly from the stored log and records: every field as recorded."""
+    compare_rebuilt(audit, evidence, lambda: assemble_foreign_evidence(
+        foreign_facts(evidence), evidence["config"], log, eval_records))
 
 
 def audit_foreign_run(run_dir: str | Path) -> dict[str, Any]:
