@@ -32,8 +32,8 @@ def module_name(path: Path) -> str:
 
 def layer(module: str) -> int:
     parts = module.split(".")[1:]
-    if not parts:
-        return 0
+    if not parts:  # the package itself re-exports the public API (api.py): it sits on top
+        return LAYERS["top"]
     if parts[0] in LAYERS and len(parts) > 1:
         return LAYERS[parts[0]]
     if parts[0] in LAYERS:  # the wing's package itself

@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from grpogate import cli_eval
+from grpogate import api, cli_eval, cli_gate
 from grpogate.config import load_config
 from grpogate.errors import InputError, command, plain
 from grpogate.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
@@ -194,7 +194,7 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
                 evidence = pipeline.resume(resume, config, reporter, world,
                                            reward_code=rewards_named_by(config_file, overrides))
             else:
-                evidence = pipeline.run(config, reporter, world)
+                evidence = api.run(config, reporter, world).evidence
     except InputError as error:
         fail(error)
     except pipeline.UnstartedRunFailed as error:
@@ -313,10 +313,10 @@ def decide(
     Exit codes: 0 the audit agrees with the run's own decision and nothing mismatches; 4 reject
     because something mismatches (the fields are named); 2 not a readable run directory.
     """
-    from grpogate.evidence.audit import audit_run
+    from grpogate.evidence.foreign_audit import audit_any
 
     try:
-        audit = audit_run(run_dir, trusted_rewards=trust_reward_code, max_rescore=max_rescore,
+        audit = audit_any(run_dir, trusted_rewards=trust_reward_code, max_rescore=max_rescore,
                           announce=lambda line: typer.echo(f"decide: {line}", err=True))
         if replay:
             from grpogate.replay import apply_replay, replay_retest
@@ -396,6 +396,7 @@ def _short(value, limit: int = 80) -> str:
 
 app.command("eval")(cli_eval.eval_policy)
 app.command()(cli_eval.compare)
+app.command("gate")(cli_gate.gate_command(_print_run_result))
 
 
 @app.command()

@@ -123,6 +123,11 @@ def _delivered_policy(run_dir: Path, evidence: dict, config):
                                              model_revision=model.get("revision") or "",
                                              adapter="", baseline_manifest=""),
                          adapter=adapter, seed=config.seed)
+    if evidence.get("foreign"):  # a gated foreign adapter keeps its own LoRA shape
+        from grpogate.inputs.candidate import attach_candidate
+
+        attach_candidate(policy, run_dir / str(evidence["artifact"]["path"]))
+        return policy
     from peft import set_peft_model_state_dict
 
     delivered = load_adapter_state(run_dir / str(evidence["artifact"]["path"]))

@@ -301,12 +301,17 @@ def assemble_evidence(facts: dict, config: dict, steps: list[dict], trajectories
     }
     if facts.get("distributed") is not None:  # absent from runs recorded before torchrun
         evidence["distributed"] = distributed_section(facts["distributed"])
-    candidate = decisions.evaluate_grpo_candidate(evidence, config["gates"])
+    return decided(evidence, config["gates"], seconds["total"])
+
+
+def decided(evidence: dict, gates: dict, total_seconds: float) -> dict:
+    """The evidence with its derived coverage figures, total time and the decision added."""
+    candidate = decisions.evaluate_grpo_candidate(evidence, gates)
     for key in ("effective_trajectory_count", "effective_trajectories_per_second",
                 "valid_group_ratio"):
         evidence[key] = candidate[key]
-    evidence["timings"]["total_seconds"] = seconds["total"]
-    evidence["decision"] = decisions.decide_run(evidence, config["gates"])
+    evidence["timings"]["total_seconds"] = total_seconds
+    evidence["decision"] = decisions.decide_run(evidence, gates)
     return evidence
 
 

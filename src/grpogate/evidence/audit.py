@@ -286,7 +286,7 @@ def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]]
                   references: dict[str, str] | None,
                   expected: Callable[[dict], dict[str, Any]],
                   max_new_tokens: Any, reward_set=None, plan: RescorePlan | None = None,
-                  first_index: int = 0) -> None:
+                  first_index: int = 0, questions: dict[str, str] | None = None) -> None:
     """Per line: the prompt belongs to the set, identities match, the reward re-scores equal.
     With `reward_set` (training records), every component is re-scored with the run's own
     reward functions (those it takes as recorded excepted) and `reward` must be their weighted
@@ -315,13 +315,14 @@ def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]]
             audit.mismatch(f"{where} prompt_id", record.get("prompt_id"), "a prompt of the set")
             continue
         sampled = plan is None or plan.covers(first_index + position)
-        rescored = _rescored_reward(audit, where, record, reference, verifier, reward_set, sampled)
+        rescored = _rescored_reward(audit, where, record, reference, verifier, reward_set, sampled,
+                                    (questions or {}).get(str(record.get("prompt_id")), ""))
         if not same_value(record.get("reward"), rescored):
             audit.mismatch(f"{where} reward", record.get("reward"), rescored)
 
 
 def _rescored_reward(audit: Audit, where: str, record: dict, reference: str, verifier,
-                     reward_set, sampled: bool) -> float:
+                     reward_set, sampled: bool, question: str = "") -> float:
     """The record's reward recomputed: the verifier's (re-run when `sampled`, else as recorded)
     alone, or with `reward_set` the weighted total of every component, the components compared
     with the recorded ones. Values taken as recorded must be numbers within the value bound."""
@@ -337,12 +338,13 @@ def _rescored_reward(audit: Audit, where: str, record: dict, reference: str, ver
         return correctness
     taken = [name for name in reward_set.weights if name not in BUILT_IN_REWARDS
              and (name in reward_set.as_recorded or not sampled)]
-    values = {name: recorded_value(audit, f"{where} rewards.{name}", recorded.get(name))
-              for name in taken}
+    # A user component may record None ("not applicable", a TRL-style function's answer).
+    values = {name: recorded_value(audit, f"{where} rewards.{name}", recorded.get(name),
+                                   allow_none=True) for name in taken}
     tokens = record.get("completion_tokens")
     components = reward_set.score(record.get("completion"), reference,
                                   tokens if isinstance(tokens, int) else 0, correctness,
-                                  recorded=values, taken=taken)
+                                  question=question, recorded=values, taken=taken)
     audit.compare(f"{where} rewards", record.get("rewards"), components)
     return reward_set.total(components)
 
@@ -413,9 +415,16 @@ def check_assembly(audit: Audit, evidence: dict, trajectories: list[dict],
                    eval_records: list[dict]) -> None:
     """Rebuild the evidence document from the recorded facts and the stored records with the
     run's own function; every derived field must come out as recorded."""
+    compare_rebuilt(audit, evidence, lambda: assemble_evidence(
+        recorded_facts(evidence), evidence["config"], evidence.get("steps") or [], trajectories,
+        eval_records))
+
+
+def compare_rebuilt(audit: Audit, evidence: dict, rebuild: Callable[[], dict]) -> None:
+    """Every field of the evidence `rebuild()` assembles must be as recorded; one that cannot
+    be rebuilt (ValueError, including InputError, KeyError, TypeError) is a mismatch."""
     try:
-        rebuilt = assemble_evidence(recorded_facts(evidence), evidence["config"],
-                                    evidence.get("steps") or [], trajectories, eval_records)
+        rebuilt = rebuild()
     except (ValueError, KeyError, TypeError, OverflowError) as error:
         audit.mismatch(f"evidence (cannot be rebuilt from the stored records: "
                        f"{type(error).__name__} {error})")
@@ -440,14 +449,15 @@ def _read_run(audit: Audit, run_dir: Path) -> tuple[dict, list, list]:
 
 
 def _reload_references(audit: Audit, evidence: dict, run_dir: Path
-                       ) -> tuple[dict | None, dict | None]:
-    """Reference answers by prompt id of the stored train and eval sets (None: unavailable).
+                       ) -> tuple[dict | None, dict | None, dict | None]:
+    """Reference answers by prompt id of the stored train and eval sets, and the train set's
+    questions (what a TRL-style reward function is given) (None: unavailable).
 
     Each set must hash (the run's own `problem_set_hash`) to the identity the evidence records
     and hold as many problems as the config asked for."""
     stored = stored_problem_sets(run_dir, audit)
     if stored is None:
-        return None, None
+        return None, None, None
     config = evidence["config"]
     for name, problems, size in (("train_set", stored[0], config["train_prompts"]),
                                  ("eval_set", stored[1], config["eval_prompts"])):
@@ -456,12 +466,14 @@ def _reload_references(audit: Audit, evidence: dict, run_dir: Path
                       problem_set_hash(problems))
         audit.compare(f"{PROBLEMS_FILE} {name} size", size, len(problems))
     return ({p.prompt_id: p.reference for p in stored[0]},
-            {p.prompt_id: p.reference for p in stored[1]})
+            {p.prompt_id: p.reference for p in stored[1]},
+            {p.prompt_id: p.question for p in stored[0]})
 
 
 def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numbered_eval,
                        train_refs, eval_refs, verifier, reward_set,
-                       policy_versions: dict[str, str], plan: RescorePlan) -> None:
+                       policy_versions: dict[str, str], plan: RescorePlan,
+                       train_questions=None) -> None:
     versions = {s.get("step"): s.get("policy_version") for s in evidence.get("steps") or []}
     verifier_version = evidence["inputs"]["verifier"]["version"]
     max_new_tokens = evidence["config"]["max_new_tokens"]
@@ -469,7 +481,7 @@ def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numb
                   lambda r: {"verifier_version": verifier_version,
                              "source_policy_version": versions.get(
                                  r.get("step"), r.get("source_policy_version"))},
-                  max_new_tokens, reward_set, plan)
+                  max_new_tokens, reward_set, plan, questions=train_questions)
     check_records(audit, "eval_completions.jsonl", numbered_eval, verifier, eval_refs,
                   lambda r: {"verifier_version": verifier_version,
                              "seed": evidence["seeds"]["eval"],
@@ -512,13 +524,13 @@ def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
         if manifest:
             check_hashes(audit, run_dir, manifest, evidence, trajectories)
         versions = anchored_versions(audit, run_dir, evidence)
-        train_refs, eval_refs = _reload_references(audit, evidence, run_dir)
+        train_refs, eval_refs, train_questions = _reload_references(audit, evidence, run_dir)
         verifier = _verifier(audit, evidence)
         if verifier is not None:
             reward_set = audit_reward_set(audit, evidence, verifier, run_dir, list(trusted_rewards))
             announce_cost(announce, verifier, reward_set, plan)
         _check_all_records(audit, evidence, numbered_trajectories, numbered_eval, train_refs,
-                           eval_refs, verifier, reward_set, versions, plan)
+                           eval_refs, verifier, reward_set, versions, plan, train_questions)
         check_steps(audit, evidence, trajectories,
                     reward_set.versions if reward_set is not None else None)
         check_retest_records(audit, evidence, eval_records, list(eval_refs) if eval_refs else None)
@@ -527,6 +539,11 @@ def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
         # A field the audit needs is missing or of the wrong type: unreadable evidence.
         audit.mismatch(f"evidence (malformed: {type(error).__name__} {error})")
 
+    return {**verdict(audit, run_dir, evidence), "rescoring": describe(reward_set, plan)}
+
+
+def verdict(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, Any]:
+    """Re-decide from the evidence as recorded; any mismatch found makes it `reject`."""
     recomputed = decisions.decide_run(evidence, (evidence.get("config") or {}).get("gates"))
     audit.compare("decision", evidence.get("decision"), recomputed)
     recorded = (evidence.get("decision") or {}).get("decision") if isinstance(
@@ -539,7 +556,6 @@ def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
         "non_default_gates": non_default_gates(evidence),
         "gain_rule": decisions.gain_rule((evidence.get("config") or {}).get("gates")),
         "gain_rule_line": decisions.gain_rule_line((evidence.get("config") or {}).get("gates")),
-        "rescoring": describe(reward_set, plan),
     }
 
 

@@ -26,6 +26,7 @@ CONTRACT_CHECKS = ("prompt_identity", "policy_version", "verifier_version", "gro
 # Reported when there is no group at all: none of the five checks can say anything about an
 # empty or non-list rollout, yet it must not be admitted.
 NO_GROUPS_CHECK = "groups"
+FOREIGN_LOG = "trainer_log"  # rollout["source"] of a run gated from another trainer's log
 _SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII | re.IGNORECASE)
 
 
@@ -163,6 +164,8 @@ def _group_statistics(rollout: Any) -> tuple[float, int, bool]:
     to the update however many trajectories it cost. The ratio divides by ALL groups.
     """
     group_size, reward_groups = _get(rollout, "group_size"), _get(rollout, "reward_groups")
+    if _get(rollout, "source") == FOREIGN_LOG:
+        return _logged_group_statistics(rollout)
     if not isinstance(reward_groups, (list, tuple)):
         return 0.0, 0, False
     well_formed = _is_positive_int(group_size)
@@ -173,8 +176,26 @@ def _group_statistics(rollout: Any) -> tuple[float, int, bool]:
         numbers = [finite_number(reward) for reward in rewards]
         if None not in numbers and max(numbers) > min(numbers):
             valid_groups += 1
-    ratio = valid_groups / len(reward_groups) if reward_groups else 0.0
+    return _coverage(valid_groups, len(reward_groups), group_size, well_formed)
+
+
+def _coverage(valid_groups: int, group_count: int, group_size: Any,
+              well_formed: bool) -> tuple[float, int, bool]:
+    ratio = valid_groups / group_count if group_count else 0.0
     return ratio, valid_groups * group_size if well_formed else 0, well_formed
+
+
+def _logged_group_statistics(rollout: Any) -> tuple[float, int, bool]:
+    """The same statistics for a run trained elsewhere, whose only record of its groups is the
+    trainer's log: valid and total group counts (evidence/trainer_log.py reads them) instead of
+    reward groups; the ratio and the effective count are the same arithmetic."""
+    group_size = _get(rollout, "group_size")
+    valid, total = _get(rollout, "valid_group_count"), _get(rollout, "group_count")
+    counts = [value for value in (valid, total)
+              if isinstance(value, int) and not isinstance(value, bool) and value >= 0]
+    well_formed = _is_positive_int(group_size) and len(counts) == 2 and valid <= total
+    return _coverage(valid if well_formed else 0, total if well_formed else 0, group_size,
+                     well_formed)
 
 
 def _stage_seconds(rollout: Any, update: Any) -> float | None:
@@ -313,8 +334,9 @@ def decide_grpo_delivery(rollout: Any, candidate: Any, artifact: Any) -> dict[st
 
 def run_checks(evidence: Any, gates: Any) -> list[dict[str, Any]]:
     """One row per whole-run check {"name", "value", "threshold", "passed", "on_fail"}, in
-    order: contract, execution, effective_groups, effective_throughput, updates, reward,
-    pass_at_group, truncation, length_budget, memory, artifact."""
+    order: contract, (a gated foreign run: baseline_identity, isolation,) execution,
+    effective_groups, effective_throughput, updates, reward, pass_at_group, truncation,
+    length_budget, memory, artifact."""
     admitted = _get(evidence, "contract", "admitted")
     contract = _row("contract", admitted if isinstance(admitted, bool) else None, True,
                     admitted is True, "reject")
@@ -327,8 +349,27 @@ def run_checks(evidence: Any, gates: Any) -> list[dict[str, Any]]:
     length_budget = _gate_row("length_budget", None if None in eval_ratios else max(eval_ratios),
                               gates, "maximum_max_length_hit_ratio")
     memory = candidate_rows.pop()  # keep SPEC order: length_budget before memory
-    return [contract, *candidate_rows, length_budget, memory,
+    return [contract, *_foreign_admission_rows(evidence), *candidate_rows, length_budget, memory,
             _artifact_check(_get(evidence, "artifact"))]
+
+
+def _foreign_admission_rows(evidence: Any) -> list[dict[str, Any]]:
+    """A run trained elsewhere (`grpogate gate`) is admitted by two more checks: its adapter
+    names the baseline's base model (else `reject`: the re-test would compare policies of two
+    different models), and its eval prompts are disjoint from the training prompts, which only
+    the user can name (not checked -> `tune`: a gain on possibly seen prompts is no `accept`)."""
+    admission = _get(evidence, "foreign", "admission")
+    if admission is None:
+        return []
+    identity = _get(admission, "baseline_identity", "matches")
+    checked = _get(admission, "isolation", "checked")
+    shared = _get(admission, "isolation", "shared_prompts")
+    return [
+        _row("baseline_identity", identity if isinstance(identity, bool) else None, True,
+             identity is True, "reject"),
+        _row("isolation", shared if checked is True else "not checked", 0,
+             checked is True and shared == 0, "tune"),
+    ]
 
 
 def decide_run(evidence: Any, gates: Any) -> dict[str, Any]:

@@ -274,7 +274,8 @@ def component_means(trajectories: list[dict]) -> dict:
     values: dict[str, list[float]] = {}
     for record in trajectories:
         for name, value in (record.get("rewards") or {}).items():
-            values.setdefault(str(name), []).append(float(value))
+            if value is not None:  # a TRL-style component that does not apply to this one
+                values.setdefault(str(name), []).append(float(value))
     return {name: _mean(items) for name, items in values.items()}
 
 

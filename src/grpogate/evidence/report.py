@@ -309,7 +309,11 @@ def training_section(evidence: dict, pngs: dict[str, bytes]) -> str:
     # On the CPU the three peaks are one number (the resident set): shown once.
     facts.append(("peak resident set (process)", _fmt(resources.get("peak_rss_bytes"), "bytes")))
     stages = stage_seconds(evidence)
-    return (_h2("training", "Training and resources") + _table(["quantity", "value"],
+    # A run gated from another trainer (grpogate gate): say where these figures come from.
+    foreign = (f'<p class="note">Trained by {_e((evidence.get("foreign") or {}).get("trainer"))}: '
+               f'these figures are {_e(rollout["source_note"])}; the resources are '
+               f'{_e(resources.get("measured"))}.</p>' if rollout.get("source_note") else "")
+    return (_h2("training", "Training and resources") + foreign + _table(["quantity", "value"],
                                                               [[_e(k), _e(v)] for k, v in facts])
             + _img(pngs, "steps", "reward, valid group ratio and KL per step")
             + _update_steps_table(evidence)

@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 from grpogate.config import MAX_REWARD_VALUE, MAX_REWARD_WEIGHT
 from grpogate.errors import InputError
-from grpogate.inputs.rewards import (CORRECTNESS, RewardSet, reward_set_from_config,
+from grpogate.inputs.rewards import (CORRECTNESS, TRL_SIGNATURE_SUFFIX, RewardSet,
+                                     reward_set_from_config,
                                      user_reward_names, user_reward_origin, user_reward_version)
 
 # Typical seconds per re-scored record of the verifiers whose cost is worth saying: math-verify
@@ -130,7 +131,8 @@ def audit_reward_set(audit, evidence: dict, verifier, run_dir: Path,
             version = user_reward_version(name)
         except ValueError as error:
             raise InputError(f"--trust-reward-code {name}: {error}") from None
-        if version != recorded.get(name):
+        # A TRL-style function's recorded version carries a marker its signature adds on import.
+        if version != str(recorded.get(name) or "").removesuffix(TRL_SIGNATURE_SUFFIX):
             audit.mismatch(f"inputs.rewards {name} version (--trust-reward-code: not the code "
                            "the run recorded; its values are taken as recorded)",
                            recorded.get(name), version)
@@ -152,8 +154,11 @@ def audit_reward_set(audit, evidence: dict, verifier, run_dir: Path,
     return reward_set
 
 
-def recorded_value(audit, where: str, value: Any) -> float:
-    """A value taken as recorded: a number within the value bound, else a mismatch and 0.0."""
+def recorded_value(audit, where: str, value: Any, allow_none: bool = False) -> float | None:
+    """A value taken as recorded: a number within the value bound (or None, "not applicable",
+    where `allow_none`), else a mismatch and 0.0."""
+    if value is None and allow_none:
+        return None
     if (isinstance(value, (int, float)) and not isinstance(value, bool)
             and abs(value) <= MAX_REWARD_VALUE):
         return float(value)

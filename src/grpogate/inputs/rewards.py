@@ -12,8 +12,14 @@ as TRL's `reward_funcs` + `reward_weights` do; the built-in ones are
 
 and `module:function` is a user's pure-Python `(completion, reference) -> float`, run under a
 time limit; an exception, a timeout, a non-finite result or one beyond +-MAX_REWARD_VALUE scores
-0.0 and is counted. Every component has a `version`; the weighted total is
-`math.fsum(weight * value)`.
+0.0 and is counted.
+A TRL reward function is taken as it is (`trl_signature`: it has a `completions` parameter):
+`f(prompts, completions, **kwargs) -> list[float | None]`, called with one conversational
+prompt (the user message), one completion (`[{"role": "assistant", "content": text}]`) and the
+problem's `reference` column; `None` means "not applicable" and the component's value is None.
+Every component has a `version`; the weighted total is `math.fsum(weight * value)` over the
+components that apply — TRL's `nansum`, None counting as 0 (a completion no component applies
+to totals 0.0, where TRL would mark it unscorable).
 
 User code is imported only when the user names it: a run imports what its own config names, and
 the audit of a run directory (a stranger's data) takes user components as recorded unless the
@@ -32,6 +38,7 @@ user vouches for the code with `--trust-reward-code` (`build_reward_set`'s `impo
 from __future__ import annotations
 
 import hashlib
+import inspect
 import importlib
 import importlib.util
 import linecache
@@ -165,6 +172,32 @@ def load_user_reward(path: str) -> tuple[Callable, str]:
     return function, version
 
 
+TRL_SIGNATURE_SUFFIX = "+trl-signature"  # on a TRL-style function's version: called another way
+
+
+def trl_signature(function: Callable) -> bool:
+    """Whether `function` is written for TRL's `reward_funcs` (a `completions` parameter)."""
+    try:
+        return "completions" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: the classic form
+        return False
+
+
+class TrlStyleReward:
+    """A TRL reward function called one completion at a time, as RewardSet scores."""
+
+    def __init__(self, function: Callable) -> None:
+        self.function = function
+
+    def __call__(self, completion: Any, reference: Any, question: str = "") -> float | None:
+        values = self.function(prompts=[[{"role": "user", "content": question}]],
+                               completions=[[{"role": "assistant", "content": completion}]],
+                               reference=[reference])
+        if not isinstance(values, (list, tuple)) or len(values) != 1:
+            raise ValueError(f"returned {values!r}, not a list of one reward per completion")
+        return values[0]
+
+
 @dataclass
 class RewardSet:
     """The run's reward components, their weights and versions, and the errors they caused."""
@@ -183,25 +216,35 @@ class RewardSet:
         return sum(self.error_counts.values())
 
     def score(self, completion: Any, reference: Any, completion_tokens: int,
-              correctness: float, recorded: dict | None = None,
-              taken: Collection[str] = ()) -> dict[str, float]:
+              correctness: float, question: str = "", recorded: dict | None = None,
+              taken: Collection[str] = ()) -> dict[str, float | None]:
         """Every component's value; `correctness` is the verifier's reward, scored by the caller
         (the verifier keeps its own error count); an `as_recorded` component's value, and one
-        named in `taken`, is `recorded[name]` (the caller checks it is a number)."""
+        named in `taken`, is `recorded[name]` (the caller checks it is a number or None).
+        `question`: the prompt a TRL-style function receives. A TRL-style function's None
+        ("not applicable") stays None."""
         values = {}
         for name in self.weights:
             if name == CORRECTNESS:
                 values[name] = float(correctness)
             elif name in self.as_recorded or name in taken:
-                values[name] = float((recorded or {})[name])
+                value = (recorded or {})[name]
+                values[name] = None if value is None else float(value)
             else:
-                values[name] = self._guarded(name, completion, reference, completion_tokens)
+                values[name] = self._guarded(name, completion, reference, completion_tokens,
+                                             question)
         return values
 
-    def _guarded(self, name: str, completion: Any, reference: Any, tokens: int) -> float:
+    def _guarded(self, name: str, completion: Any, reference: Any, tokens: int,
+                 question: str = "") -> float | None:
         function = self.functions[name]
         try:
-            if USER_REWARD_PATH.fullmatch(name):
+            if isinstance(function, TrlStyleReward):
+                value = call_with_time_limit(function, (completion, reference, question),
+                                             self.user_time_limit_seconds)
+                if value is None:
+                    return None
+            elif USER_REWARD_PATH.fullmatch(name):
                 value = call_with_time_limit(function, (completion, reference),
                                              self.user_time_limit_seconds)
             else:
@@ -214,8 +257,10 @@ class RewardSet:
             return 0.0
         return value
 
-    def total(self, values: dict[str, float]) -> float:
-        return math.fsum(self.weights[name] * values[name] for name in self.weights)
+    def total(self, values: dict[str, float | None]) -> float:
+        """The weighted sum over the components that apply (None: TRL's nansum skips it)."""
+        return math.fsum(self.weights[name] * values[name] for name in self.weights
+                         if values[name] is not None)
 
     def describe(self) -> list[dict]:
         return [{"name": name, "weight": weight, "version": self.versions[name]}
@@ -249,6 +294,9 @@ def build_reward_set(specs: list[dict], verifier_version: str, *, max_new_tokens
                 penalty_factor=overlong_penalty_factor)
         elif importable is None or name in importable:
             functions[name], versions[name] = load_user_reward(name)
+            if trl_signature(functions[name]):
+                functions[name] = TrlStyleReward(functions[name])
+                versions[name] += TRL_SIGNATURE_SUFFIX
         else:
             functions[name], versions[name] = None, (recorded_versions or {}).get(name)
             as_recorded.append(name)

@@ -346,12 +346,13 @@ def problem_records(task, train: list[Problem], eval_set: list[Problem]) -> list
             for split, problems in (("train", train), ("eval", eval_set)) for problem in problems]
 
 
-def problems_from_records(records: list[tuple[int, dict]], where: str
-                          ) -> tuple[list[Problem], list[Problem]]:
+def problems_from_records(records: list[tuple[int, dict]], where: str,
+                          allow_empty_train: bool = False) -> tuple[list[Problem], list[Problem]]:
     """The train and eval sets back from (line number, record) pairs of problems.jsonl.
 
     Each prompt id is recomputed from its question: a stored id that is not the question's hash
     is refused (InputError naming the line), as is a set that fails the run's own set checks.
+    `allow_empty_train`: a run gated from another trainer whose training prompts were not given.
     """
     sets: dict[str, list[Problem]] = {"train": [], "eval": []}
     for number, record in records:
@@ -366,6 +367,7 @@ def problems_from_records(records: list[tuple[int, dict]], where: str
         sets[split].append(Problem(prompt_id(question), question, reference,
                                    str(record.get("origin", ""))))
     for split, problems in sets.items():
-        check_problem_set(problems, split)
+        if problems or split == "eval" or not allow_empty_train:
+            check_problem_set(problems, split)
     check_isolation(sets["train"], sets["eval"])
     return sets["train"], sets["eval"]

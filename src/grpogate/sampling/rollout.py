@@ -314,7 +314,8 @@ def score_rewards(completions: list[Completion], problems: list[Problem], reward
                   correctness: list[float]) -> list[dict[str, float]]:
     """Every reward component of every completion (`correctness` from `score_completions`)."""
     return [reward_set.score(c.text, problems[c.prompt_index].reference,
-                             len(c.completion_token_ids), reward)
+                             len(c.completion_token_ids), reward,
+                             question=problems[c.prompt_index].question)
             for c, reward in zip(completions, correctness)]
 
 

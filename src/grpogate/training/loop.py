@@ -199,8 +199,9 @@ def _generation_round(loop: Loop, state: LoopState, step: int, generation_round:
     valid = rollout_summary(records, config.group_size)["valid_group_count"]
     rollout.completions += completions
     rollout.rewards += [record["reward"] for record in records]
-    rollout.components += [[values[name] for name in loop.reward_set.weights]
-                           for values in components]
+    # None (a TRL-style component that does not apply) adds 0 to the weighted sum: TRL's nansum.
+    rollout.components += [[0.0 if values[name] is None else values[name]
+                            for name in loop.reward_set.weights] for values in components]
     rollout.records += records
     rollout.decode_path = decode_path
     rollout.rollout_seconds += generation_seconds

@@ -1,0 +1,77 @@
+"""`grpogate gate --from-trl DIR`: parse, call trl_gate, print (cli.py registers it).
+
+The printing is the run's own (`print_result`, handed in by cli.py): a gated run ends exactly
+as a `grpogate run` does, with the gates table, the re-test line and the decision.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import typer
+
+from grpogate.cli_eval import TASK_HELP
+from grpogate.config import load_config
+from grpogate.errors import InputError
+from grpogate.terminal import RichReporter, console, fail, progress_bars
+
+
+def gate_command(print_result: Callable[[dict, bool], None]):
+    def gate(
+        from_trl: str = typer.Option(..., "--from-trl", metavar="DIR",
+                                     help="A TRL GRPOTrainer output_dir (or one checkpoint-N/): "
+                                     "adapter_config.json + adapter_model.safetensors and "
+                                     "trainer_state.json. Pickles are never loaded."),
+        baseline: Optional[str] = typer.Option(
+            None, metavar="BASE[+ADAPTER]", help="The baseline the adapter was trained from "
+            "(default: the profile's model); the adapter's base_model_name_or_path must name it."),
+        trl_args: str = typer.Option("", "--trl-args", metavar="FILE", help="The run's GRPOConfig "
+                                     "fields as JSON (trainer.args.to_json_string()) or TOML."),
+        num_generations: Optional[int] = typer.Option(
+            None, "--num-generations", metavar="G", min=1,
+            help="TRL's num_generations (G), unless --trl-args gives it."),
+        train_data: str = typer.Option("", "--train-data", metavar="FILE", help="The training "
+                                       "dataset (JSONL rows with prompt or question): the eval "
+                                       "prompts must be disjoint from it."),
+        train_from_config: bool = typer.Option(
+            False, "--train-from-config", help="The run trained on the config's own train split."),
+        profile: str = typer.Option("default", metavar="NAME", help="Packaged profile for the "
+                                    "task, the re-test's sampling and the gates."),
+        config_file: str = typer.Option("", "--config", metavar="FILE",
+                                        help="TOML file applied on top of the profile."),
+        gates_file: str = typer.Option("", "--gates", metavar="FILE",
+                                       help="TOML or JSON file with one \\[gates] table."),
+        overrides: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
+                                            help="Override any config key."),
+        task: Optional[str] = typer.Option(None, metavar="SOURCE:NAME", help=TASK_HELP),
+        out: Optional[str] = typer.Option(None, metavar="DIR", help="Run directory (must not exist)."),
+        label: Optional[str] = typer.Option(None, metavar="LABEL",
+                                            help="Run label: outputs go to runs/LABEL."),
+        device: Optional[str] = typer.Option(None, metavar="auto|cpu|cuda", help="Device."),
+        dtype: Optional[str] = typer.Option(None, metavar="float32|bfloat16|auto",
+                                            help="Base weights dtype."),
+        exit_code_from_decision: bool = typer.Option(
+            False, "--exit-code-from-decision", help="Exit 0 on accept, 3 on tune, 4 on reject."),
+    ) -> None:
+        """Gate a run trained with TRL: admission, the paired re-test, the gates, a manifest."""
+        from grpogate.standalone_eval import parse_policy_spec, parse_tasks_spec
+        from grpogate.trl_gate import GateRequest, gate as gate_run
+
+        try:
+            model, adapter = parse_policy_spec(baseline) if baseline else (None, None)
+            config = load_config(profile, config_file, overrides, gates_file=gates_file, out=out,
+                                 label=label, model=model, adapter=adapter, device=device,
+                                 dtype=dtype, task=parse_tasks_spec(task) if task else None)
+            request = GateRequest(from_trl, trl_args, num_generations, train_data,
+                                  train_from_config)
+            with progress_bars() as progress:
+                evidence = gate_run(config, request, RichReporter(progress))
+        except InputError as error:
+            fail(error)
+        isolation = evidence["foreign"]["admission"]["isolation"]
+        if not isolation["checked"]:
+            console.print(f"[yellow]{isolation['note']}[/]", soft_wrap=True)
+        console.print(f"rollout figures: {evidence['rollout']['source_note']}", soft_wrap=True)
+        print_result(evidence, exit_code_from_decision)
+
+    return gate

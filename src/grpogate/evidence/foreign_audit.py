@@ -1,0 +1,112 @@
+"""Audit a gated foreign run (`grpogate gate --from-trl`): what can be re-checked, and what cannot.
+
+Re-checked, with the audit's own functions: every file hash the manifest pins (the adapter, the
+copied trainer_state.json, the re-test records, the problems), the candidate's policy version
+from the adapter's tensors, every re-test completion re-scored by the verifier, the eval set's
+hash, and the whole evidence rebuilt by the gate's own `assemble_foreign_evidence` from the
+stored log and records: the rollout and update figures are recomputed from the log's numbers
+(the arithmetic), the comparison and paired statistics from the re-test records, and the
+decision. Not re-checkable, and said so in the result: whether the log describes the training
+that produced the adapter (there are no trajectories), and the GRPO settings the user declared.
+Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from grpogate.errors import InputError
+from grpogate.evidence.audit import (Audit, _numbered_jsonl, _read_object, _read_run, _verifier,
+                                     anchored_versions, audit_run, check_hashes, check_records,
+                                     check_retest_records, compare_rebuilt, verdict)
+from grpogate.evidence.manifest import PROBLEMS_FILE
+from grpogate.evidence.trainer_log import assemble_foreign_evidence, foreign_facts
+from grpogate.files import confined_file, parse_json, read_confined, sha256_path
+from grpogate.inputs.tasks import problem_set_hash, problems_from_records
+
+TRAINER_STATE_FILE = "trainer_state.json"  # the foreign log, copied byte for byte into the run
+NOT_CHECKABLE = ("the rollout figures come from the trainer's own log; with no stored "
+                 "trajectories, whether that log describes the training that produced the "
+                 "adapter, and the GRPO settings declared to read it, are taken as recorded")
+
+
+def is_foreign(run_dir: str | Path) -> bool:
+    """Whether the run directory's evidence says it is a gated foreign run (unreadable: no)."""
+    try:  # confined and bounded as every run-directory read (no FIFO wait, no deep nesting)
+        evidence = parse_json(read_confined(run_dir, "evidence.json").decode("utf-8"),
+                              "evidence.json")
+    except (InputError, OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(evidence, dict) and isinstance(evidence.get("foreign"), dict)
+
+
+def audit_any(run_dir: str | Path, **options) -> dict[str, Any]:
+    """`grpogate decide`: the foreign audit for a gated foreign run, else the run audit (with
+    `options`: trusted_rewards, max_rescore, announce; a foreign run has no training records
+    to re-score)."""
+    return audit_foreign_run(run_dir) if is_foreign(run_dir) else audit_run(run_dir, **options)
+
+
+def _stored_log(audit: Audit, run_dir: Path, evidence: dict) -> dict | None:
+    try:
+        path = confined_file(run_dir, TRAINER_STATE_FILE)
+    except InputError as error:  # flagged, and never read
+        audit.mismatch(f"{TRAINER_STATE_FILE} ({str(error).removeprefix(TRAINER_STATE_FILE + ': ')})")
+        return None
+    audit.compare("foreign.trainer_state_sha256", evidence["foreign"].get("trainer_state_sha256"),
+                  sha256_path(path))
+    return _read_object(path, audit)
+
+
+def _check_problems(audit: Audit, run_dir: Path, evidence: dict) -> dict | None:
+    """Eval references by prompt id; the stored sets must hash to the recorded identities and
+    be disjoint (problems_from_records refuses an overlap)."""
+    numbered = _numbered_jsonl(run_dir / PROBLEMS_FILE, audit)
+    try:
+        train, eval_set = problems_from_records(numbered, PROBLEMS_FILE, allow_empty_train=True)
+    except InputError as error:
+        audit.mismatch(f"{PROBLEMS_FILE} ({error})")
+        return None
+    audit.compare("inputs.eval_set.problem_set_sha256",
+                  evidence["inputs"]["eval_set"].get("problem_set_sha256"), problem_set_hash(eval_set))
+    isolation = evidence["foreign"]["admission"]["isolation"]
+    audit.compare("foreign.admission.isolation.train_prompts", isolation.get("train_prompts"),
+                  len(train) if isolation.get("checked") else 0)
+    return {p.prompt_id: p.reference for p in eval_set}
+
+
+def _check_assembly(audit: Audit, evidence: dict, log: dict, eval_records: list[dict]) -> None:
+    """The gate's own assembly from the stored log and records: every field as recorded."""
+    compare_rebuilt(audit, evidence, lambda: assemble_foreign_evidence(
+        foreign_facts(evidence), evidence["config"], log, eval_records))
+
+
+def audit_foreign_run(run_dir: str | Path) -> dict[str, Any]:
+    """The result has the shape of `audit_run`'s, plus "not_checkable" (a sentence)."""
+    run_dir = Path(run_dir)
+    audit = Audit()
+    evidence = _read_object(run_dir / "evidence.json", audit)
+    if evidence is None:
+        raise InputError(f"{run_dir}/evidence.json: unreadable")
+    manifest, _, numbered_eval = _read_run(audit, run_dir)
+    eval_records = [record for _, record in numbered_eval]
+    try:
+        if manifest:
+            check_hashes(audit, run_dir, manifest, evidence, [])
+        versions = anchored_versions(audit, run_dir, evidence)
+        log = _stored_log(audit, run_dir, evidence)
+        eval_refs = _check_problems(audit, run_dir, evidence)
+        verifier = _verifier(audit, evidence)
+        check_records(audit, "eval_completions.jsonl", numbered_eval, verifier, eval_refs,
+                      lambda r: {"verifier_version": evidence["inputs"]["verifier"]["version"],
+                                 "seed": evidence["seeds"]["eval"],
+                                 "policy_version": versions.get(r.get("policy"), "a policy")},
+                      evidence["config"]["max_new_tokens"])
+        check_retest_records(audit, evidence, eval_records, list(eval_refs) if eval_refs else None)
+        if log is not None:
+            _check_assembly(audit, evidence, log, eval_records)
+    except (KeyError, TypeError, AttributeError) as error:
+        audit.mismatch(f"evidence (malformed: {type(error).__name__} {error})")
+    return verdict(audit, run_dir, evidence) | {"not_checkable": NOT_CHECKABLE}

@@ -1,0 +1,234 @@
+"""A foreign trainer's log -> the rollout and update sections of the evidence, and the whole
+evidence document of a gated foreign run (`grpogate gate --from-trl`).
+
+TRL's GRPOTrainer keeps no trajectories: what it trained on survives only as the per-step means
+it logged into trainer_state.json's `log_history`. The figures here are read from that log and
+marked `"source": "trainer_log"`; they cannot be re-derived from completions, and `decide` can
+only re-check the log's hash and this arithmetic. The counts use the same rule as a grpogate
+run (SPEC §2): a group is valid when its rewards are not all equal, effective trajectories =
+valid groups x G, and the decision's own `evaluate_grpo_candidate` divides them by the run's
+seconds (TRL's `train_runtime`: generation, rewards and update together, the log does not split
+them). Per logged entry, with P = per_device_train_batch_size x gradient_accumulation_steps x
+num_processes completions per generation (one generation every num_iterations optimizer steps):
+
+    groups = generations in the window x P / G
+    valid groups = (1 - frac_reward_zero_std) x groups   (TRL averages the fraction over the
+                                                          window's generations; must be whole)
+
+`frac_reward_zero_std` counts groups only under scale_rewards "group" or "none" with
+multi_objective_aggregation "sum_then_normalize"; other settings are refused (InputError).
+Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+import math
+
+from grpogate.errors import InputError
+from grpogate.evidence import decisions
+from grpogate.evidence.assemble import (EVIDENCE_VERSION, comparison_section, decided,
+                                        run_status, seeds, skipped_comparison)
+
+SOURCE = decisions.FOREIGN_LOG
+SOURCE_NOTE = ("read from the trainer's own log (trainer_state.json log_history); the run "
+               "stored no trajectories, so these figures cannot be re-derived from completions")
+WHOLE_TOLERANCE = 1e-3  # TRL logs the fraction as a float32 mean: 1/3 is 0.3333333432674408
+
+
+def _number(entry: dict, key: str, where: str, required: bool = True) -> float | None:
+    value = entry.get(key)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InputError(f"{where}: field {key!r} must be a finite number (got {value!r})")
+    return float(value)
+
+
+def _generations(previous_step: int, step: int, num_iterations: int) -> int:
+    """Optimizer steps k in (previous_step, step] that start with a generation: k - 1 divisible
+    by num_iterations (each generation is trained on num_iterations times)."""
+    return sum((k - 1) % num_iterations == 0 for k in range(previous_step + 1, step + 1))
+
+
+def _whole(value: float, where: str, what: str) -> int:
+    if abs(value - round(value)) > WHOLE_TOLERANCE:
+        raise InputError(f"{where}: {what} is {value:.6g}, not a whole number; the declared GRPO "
+                         "settings (num_generations, batch size, gradient_accumulation_steps, "
+                         "num_iterations, num_processes) do not match this log")
+    return int(round(value))
+
+
+def check_settings(settings: dict, where: str) -> None:
+    if settings.get("scale_rewards") not in ("group", "none") or settings.get(
+            "multi_objective_aggregation") != "sum_then_normalize":
+        raise InputError(f"{where}: with scale_rewards={settings.get('scale_rewards')!r} and "
+                         f"multi_objective_aggregation={settings.get('multi_objective_aggregation')!r} "
+                         "TRL's frac_reward_zero_std does not count groups; the valid-group ratio "
+                         "cannot be read from this log")
+    per_generation = (settings["per_device_train_batch_size"]
+                      * settings["gradient_accumulation_steps"] * settings["num_processes"])
+    if per_generation % settings["num_generations"]:
+        raise InputError(f"{where}: {per_generation} completions per generation is not a "
+                         f"multiple of num_generations={settings['num_generations']}")
+
+
+def log_steps(trainer_state: dict, settings: dict, where: str) -> list[dict]:
+    """One record per logged training entry (those with a `step` and a `loss`), in order."""
+    check_settings(settings, where)
+    group_size = settings["num_generations"]
+    per_generation = (settings["per_device_train_batch_size"]
+                      * settings["gradient_accumulation_steps"] * settings["num_processes"])
+    steps, previous, tokens_before = [], 0, 0.0
+    for index, entry in enumerate(trainer_state["log_history"]):
+        if "loss" not in entry or "train_runtime" in entry or "step" not in entry:
+            continue  # evaluation entries and the closing summary
+        at = f"{where} log_history[{index}]"
+        step = entry["step"]
+        if type(step) is not int or step <= previous:
+            raise InputError(f"{at}: field 'step' must be a whole number after {previous}")
+        generations = _generations(previous, step, settings["num_iterations"])
+        frac = _number(entry, "frac_reward_zero_std", at, required=False)
+        groups = generations * per_generation // group_size if frac is not None else 0
+        valid = _whole((1.0 - frac) * groups, at, "(1 - frac_reward_zero_std) x groups") \
+            if frac is not None else 0
+        completions = groups * group_size
+        num_tokens = _number(entry, "num_tokens", at, required=False)
+        steps.append(_measured({
+            # 0-based as a grpogate run counts its steps; TRL's own step number beside it
+            "step": step - 1, "trl_step": step, "optimizer_steps": step - previous,
+            "generations": generations,
+            "group_count": groups, "valid_group_count": valid,
+            "valid_group_ratio": valid / groups if groups else 0.0, "completions": completions,
+            "frac_reward_zero_std": frac,
+            "mean_reward": _number(entry, "reward", at, required=False),
+            "max_length_hit_ratio": _number(entry, "completions/clipped_ratio", at, required=False),
+            "mean_length": _number(entry, "completions/mean_length", at, required=False),
+            "num_tokens": num_tokens,
+            "tokens": (num_tokens - tokens_before) if num_tokens is not None else None,
+            "mean_kl": _number(entry, "kl", at, required=False),
+            "clip_fraction": _number(entry, "clip_ratio/region_mean", at, required=False),
+            "clip_low_fraction": _number(entry, "clip_ratio/low_mean", at, required=False),
+            "clip_high_fraction": _number(entry, "clip_ratio/high_mean", at, required=False),
+            "entropy": _number(entry, "entropy", at, required=False),
+            "loss": _number(entry, "loss", at), "grad_norm": _number(entry, "grad_norm", at, False),
+            "learning_rate": _number(entry, "learning_rate", at, required=False),
+            "step_time": _number(entry, "step_time", at, required=False),
+            "reward_component_means": {key[len("rewards/"):-len("/mean")]: entry[key]
+                                       for key in sorted(entry) if key.startswith("rewards/")
+                                       and key.endswith("/mean") and _finite(entry[key])},
+        }))
+        previous = step
+        tokens_before = num_tokens if num_tokens is not None else tokens_before
+    return steps
+
+
+def _measured(record: dict) -> dict:
+    """The record without the figures this entry did not log (kl without beta, clip ratios of
+    an older TRL): absent, never a made-up zero."""
+    return {key: value for key, value in record.items() if value is not None}
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _weighted(steps: list[dict], key: str, weight: str) -> float | None:
+    measured = [s for s in steps if s.get(key) is not None and s.get(weight)]
+    total = sum(s[weight] for s in measured)
+    return math.fsum(s[key] * s[weight] for s in measured) / total if total else None
+
+
+def train_seconds(trainer_state: dict, steps: list[dict]) -> tuple[float | None, str]:
+    """TRL's train_runtime (in the log once trainer.save_state() ran after train()), else the
+    sum of the logged step_time (each entry's mean x its optimizer steps), else unknown."""
+    for entry in trainer_state["log_history"]:
+        if _finite(entry.get("train_runtime")) and entry["train_runtime"] >= 0:
+            return float(entry["train_runtime"]), "train_runtime"
+    if steps and all(s.get("step_time") is not None for s in steps):
+        return math.fsum(s["step_time"] * s["optimizer_steps"] for s in steps), "sum of step_time"
+    return None, "unknown (no train_runtime or step_time in the log)"
+
+
+def rollout_from_log(steps: list[dict], trainer_state: dict, group_size: int) -> dict:
+    groups = sum(s["group_count"] for s in steps)
+    valid = sum(s["valid_group_count"] for s in steps)
+    seconds, seconds_source = train_seconds(trainer_state, steps)
+    hit = _weighted(steps, "max_length_hit_ratio", "completions")
+    names = sorted({name for s in steps for name in s["reward_component_means"]})
+    return {
+        "source": SOURCE, "source_note": SOURCE_NOTE, "group_size": group_size,
+        "group_count": groups, "valid_group_count": valid,
+        "valid_group_ratio": valid / groups if groups else 0.0,
+        "total_trajectories": groups * group_size, "effective_trajectory_count": valid * group_size,
+        "max_length_hit_ratio": hit if hit is not None else None,
+        "mean_reward": _weighted(steps, "mean_reward", "completions"),
+        "reward_component_means": {name: _weighted(
+            [{"v": s["reward_component_means"].get(name), "w": s["completions"]} for s in steps],
+            "v", "w") for name in names},
+        "generated_tokens": round(math.fsum(s["mean_length"] * s["completions"] for s in steps
+                                            if s.get("mean_length") is not None)),
+        # The trainer's whole time: the throughput gate divides by rollout + update seconds,
+        # and the log does not split generation from the update.
+        "rollout_seconds": seconds, "seconds_source": seconds_source,
+    }
+
+
+def update_from_log(steps: list[dict], trainer_state: dict, settings: dict) -> dict:
+    return {
+        "source": SOURCE, "source_note": SOURCE_NOTE,
+        "update_count": trainer_state["global_step"], "update_seconds": 0.0,
+        **{key: settings.get(key) for key in ("loss_type", "beta", "epsilon", "epsilon_high",
+                                               "num_iterations", "scale_rewards",
+                                               "importance_sampling_level", "learning_rate")},
+        "mean_kl": _weighted(steps, "mean_kl", "optimizer_steps"),
+        "clip_fraction": _weighted(steps, "clip_fraction", "optimizer_steps") or 0.0,
+        "clip_low_fraction": _weighted(steps, "clip_low_fraction", "optimizer_steps"),
+        "clip_high_fraction": _weighted(steps, "clip_high_fraction", "optimizer_steps"),
+        "entropy": _weighted(steps, "entropy", "optimizer_steps"),
+        "grad_norm": [s["grad_norm"] for s in steps if s.get("grad_norm") is not None],
+        "num_input_tokens_seen": trainer_state.get("num_input_tokens_seen"),
+    }
+
+
+def assemble_foreign_evidence(facts: dict, config: dict, trainer_state: dict,
+                              eval_records: list[dict]) -> dict:
+    """The evidence document of a gated foreign run, from what the gate knows (`facts`: run_label,
+    created, environment, inputs, foreign (with settings and admission), contract, seconds
+    (load, evaluation, total), retest_verifier_errors, retest_skipped, resources, artifact)
+    and the stored records. `grpogate decide` calls it again on the stored files."""
+    foreign = facts["foreign"]
+    where = "trainer_state.json"
+    steps = log_steps(trainer_state, foreign["settings"], where)
+    rollout = rollout_from_log(steps, trainer_state, config["group_size"])
+    update = update_from_log(steps, trainer_state, foreign["settings"])
+    comparison = (skipped_comparison(config) if facts["retest_skipped"] else
+                  comparison_section(eval_records, config, facts["retest_verifier_errors"]))
+    loop_status = "ok" if not facts["retest_skipped"] else "not_admitted"
+    seconds = facts["seconds"]
+    evidence = {
+        "grpogate_evidence_version": EVIDENCE_VERSION, "run_label": facts["run_label"],
+        "created": facts["created"], "status": run_status(loop_status, rollout, update),
+        "failure": None, "interruption": None, "resumes": [], "config": config,
+        "environment": facts["environment"], "seeds": seeds(config), "foreign": foreign,
+        "inputs": facts["inputs"], "contract": facts["contract"], "rollout": rollout,
+        "update": update, "comparison": comparison,
+        "timings": {"load_seconds": seconds["load"], "rollout_seconds": rollout["rollout_seconds"],
+                    "verification_seconds": 0.0, "update_seconds": 0.0,
+                    "evaluation_seconds": seconds["evaluation"], "checkpoint_seconds": 0.0},
+        "resources": facts["resources"], "artifact": facts["artifact"], "steps": steps,
+    }
+    return decided(evidence, config["gates"], seconds["total"])
+
+
+def foreign_facts(evidence: dict) -> dict:
+    """The facts of a stored foreign evidence document, as `assemble_foreign_evidence` takes
+    them (what the audit cannot recompute and so takes as recorded)."""
+    timings, comparison = evidence["timings"], evidence["comparison"]
+    return {"run_label": evidence["run_label"], "created": evidence["created"],
+            "environment": evidence["environment"], "inputs": evidence["inputs"],
+            "foreign": evidence["foreign"], "contract": evidence["contract"],
+            "seconds": {"load": timings["load_seconds"], "evaluation": timings["evaluation_seconds"],
+                        "total": timings["total_seconds"]},
+            "retest_verifier_errors": comparison["verifier_errors"],
+            "retest_skipped": comparison.get("skipped") is True,
+            "resources": evidence["resources"], "artifact": evidence["artifact"]}

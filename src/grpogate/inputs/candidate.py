@@ -1,0 +1,47 @@
+"""A candidate adapter trained elsewhere, put in the place of the policy's trained adapter.
+
+`grpogate gate` re-tests an adapter another trainer (TRL's GRPOTrainer) produced, and
+`decide --replay` re-samples such a run, with the re-test the pipeline uses: that re-test
+samples the baseline through `sampling_weights(policy, baseline=True)` and the candidate
+through the policy's TRAINABLE adapter. The foreign adapter keeps its own LoRA shape (rank,
+alpha, target modules from its adapter_config.json), so it is loaded as a whole under the
+TRAINABLE name rather than copied into a LoRA of grpogate's configured shape.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from grpogate.errors import InputError
+from grpogate.files import ADAPTER_WEIGHTS, policy_version, read_safetensors, safetensors_sha256
+from grpogate.inputs.policy import (TRAINABLE, Policy, adapter_state, check_adapter_dir,
+                                    current_version)
+
+
+def attach_candidate(policy: Policy, adapter_dir: str | Path) -> str:
+    """Replace the policy's trained adapter by the one in `adapter_dir`; return its policy
+    version. InputError when it does not load onto this base model, loads only partly, or its
+    tensors change on loading (the version recorded must be the file's own)."""
+    adapter_dir = check_adapter_dir(str(adapter_dir))
+    model = policy.model
+    try:
+        model.delete_adapter(TRAINABLE)
+        model.load_adapter(adapter_dir, adapter_name=TRAINABLE, is_trainable=False)
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise InputError(f"{adapter_dir}: does not load onto this base model ({first})") from None
+    model.peft_config[TRAINABLE].base_model_name_or_path = policy.base.load_dir
+    model.set_adapter(TRAINABLE)
+    # PEFT ignores tensors its target_modules do not name: the hash would cover unused ones.
+    in_file = set(read_safetensors(adapter_dir / ADAPTER_WEIGHTS))
+    loaded = set(adapter_state(model, TRAINABLE))
+    if in_file != loaded:
+        missing = sorted(in_file ^ loaded)[0]
+        raise InputError(f"{adapter_dir}/{ADAPTER_WEIGHTS}: {len(in_file & loaded)} of "
+                         f"{len(in_file)} tensors load onto the model (e.g. not {missing})")
+    version = current_version(policy)
+    expected = policy_version(policy.base.sha256, safetensors_sha256(adapter_dir / ADAPTER_WEIGHTS))
+    if version != expected:
+        raise InputError(f"{adapter_dir}/{ADAPTER_WEIGHTS}: its tensors change when loaded "
+                         "(another dtype?); the re-test would not test the file's policy")
+    return version
