@@ -371,6 +371,9 @@ def rescoring_line(rescoring: dict) -> str:
 def _print_audit_lines(audit: dict, verify_key) -> None:
     """Non-default gates, signature, replay and mismatches: every name and value in them is
     read from the run directory, so each prints as text."""
+    if audit.get("not_checkable"):  # a gated foreign run: what its files cannot prove
+        console.print(f"[yellow]not re-checkable:[/] {plain(audit['not_checkable'])}",
+                      soft_wrap=True)
     for name, gate in audit.get("non_default_gates", {}).items():
         console.print(f"[yellow]non-default gate[/] {plain(name)} = {plain(repr(gate['value']))} "
                       f"(default {plain(repr(gate['default']))})", soft_wrap=True)
