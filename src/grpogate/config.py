@@ -66,6 +66,46 @@ class Gates:
     # by the 95 % paired bootstrap interval's lower bound, so `accept` means a gain the re-test
     # resolves; false reads the point estimate (SPEC §5's published gates; gsm8k_qwen05b.toml).
     require_significant_gain: bool = True
+    # Optional gates (gates.OPTIONAL_GATE_NAMES): absent from an older gates table, off.
+    # The candidate's mean per-token KL to the baseline on the re-test's fresh completions;
+    # 0 = off. MAXIMUM_RETEST_KL_NOTE says where the default comes from.
+    maximum_retest_kl: float = 1.0
+    # The guard set may lose at most this much mean reward, read as the gain rule reads the
+    # gains: the 95 % interval's upper bound (significant) or the point estimate.
+    maximum_guard_reward_loss: float = 0.0
+
+
+# The re-test KL gate's default, and why (the report and docs/measurements.md state it).
+MAXIMUM_RETEST_KL_NOTE = (
+    "1.0 nats per token: PLACEHOLDER")
+
+
+@dataclass
+class GuardConfig:
+    """The re-test's guard set: a neighbouring reasoning-gym task the training must not damage.
+
+    Baseline and candidate also answer `prompts` guard problems (`group_size` samples each,
+    the re-test's seed), disjoint by prompt id from the train and eval sets; a candidate
+    significantly worse there is `tune` (gates.maximum_guard_reward_loss). prompts = 0: off,
+    and the evidence records it as off. Chosen so the baseline scores well above the floor
+    (a regression cannot show from near zero): 3 one-digit terms of chain_sum, the trained
+    task's neighbour with one more term.
+    """
+
+    prompts: int = 64
+    group_size: int = 4
+    task: str = "chain_sum"  # a reasoning-gym dataset; its own scorer verifies
+    params: dict = field(
+        default_factory=lambda: {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+    )
+    seed: int = 3  # reasoning-gym generation seed of the guard problems
+
+    @property
+    def enabled(self) -> bool:
+        return self.prompts > 0
+
+    def verifier(self) -> str:
+        return f"reasoning-gym/{self.task}"
 
 
 @dataclass
@@ -153,6 +193,7 @@ class RunConfig:
     tensorboard: str = ""
     report_to: list = field(default_factory=list)  # TRL's name; see REPORTERS
     gates: Gates = field(default_factory=Gates)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     @property
     def steps(self) -> int:
@@ -251,7 +292,7 @@ def validate(config: RunConfig) -> RunConfig:
         need(not isinstance(value, float) or math.isfinite(value),
              f"{name} must be a finite number (got {value!r})")
     for name, value in (("seed", config.seed), ("task.train_seed", config.task.train_seed),
-                        ("task.eval_seed", config.task.eval_seed)):
+                        ("task.eval_seed", config.task.eval_seed), ("guard.seed", config.guard.seed)):
         # torch's generators take a 64-bit seed and the re-test adds an offset: 0 .. 2**32 - 1.
         need(0 <= value < SEED_LIMIT, f"{name} must be in [0, {SEED_LIMIT - 1}] (got {value})")
     need(0 <= config.lora_dropout < 1, f"lora_dropout must be in [0, 1) (got {config.lora_dropout})")
@@ -297,6 +338,11 @@ def validate(config: RunConfig) -> RunConfig:
     unknown = [name for name in config.report_to if name not in REPORTERS]
     need(not unknown, f"report_to: unknown tracker {', '.join(map(repr, unknown))}; known: "
          f"{', '.join(REPORTERS)} (comma-separated, or none)")
+    need(config.guard.prompts >= 0 and config.guard.group_size >= 1,
+         f"guard.prompts must be >= 0 (0 = off; got {config.guard.prompts}) and "
+         f"guard.group_size >= 1 (got {config.guard.group_size})")
+    need(not config.guard.enabled or bool(config.guard.task),
+         "guard.task must name a reasoning-gym dataset (e.g. chain_sum), or set guard.prompts = 0")
     need(not (config.baseline_manifest and config.adapter),
          "give either baseline_manifest or adapter, not both (the manifest names its adapter)")
     from grpogate.gates import validate_gates
@@ -387,12 +433,13 @@ def _read_gates_file(path: str) -> dict:
     if not isinstance(table, dict) or set(document) != {"gates"}:
         raise InputError(f"{path}: a gates file holds exactly one table, [gates] "
                          "(JSON: {\"gates\": {...}})")
-    from grpogate.gates import GATE_NAMES, SWITCH_GATE_NAMES
+    from grpogate.gates import GATE_NAMES, OPTIONAL_GATE_NAMES, SWITCH_GATE_NAMES
 
+    known = GATE_NAMES + OPTIONAL_GATE_NAMES + SWITCH_GATE_NAMES
     for name in table:
-        if name not in GATE_NAMES + SWITCH_GATE_NAMES:
+        if name not in known:
             raise InputError(f"{path}: unknown gate {name!r} in [gates]; known gates: "
-                             f"{', '.join(GATE_NAMES + SWITCH_GATE_NAMES)}")
+                             f"{', '.join(known)}")
     return table
 
 

@@ -31,10 +31,11 @@ from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, recorded_facts,
                                        step_summary, update_throughput)
-from grpogate.evidence.manifest import PROBLEMS_FILE, RUN_FILES, build_manifest, trace_ids_sha256
+from grpogate.evidence.manifest import (GUARD_FILE, PROBLEMS_FILE, RUN_FILES, build_manifest,
+                                       trace_ids_sha256)
 from grpogate.files import ADAPTER_WEIGHTS, policy_version, safetensors_sha256, sha256_path
 from grpogate.inputs.rewards import reward_set_from_config
-from grpogate.inputs.tasks import load_problem_sets, problem_set_hash, problems_from_records
+from grpogate.inputs.tasks import load_problem_sets, problem_set_hash, stored_sets
 from grpogate.inputs.verifiers import get_verifier
 
 FLOAT_TOLERANCE = 1e-9
@@ -148,8 +149,8 @@ def reload_problem_sets(config: dict, inputs: dict) -> tuple[list, dict, list, d
                              recorded_file("train_set"), recorded_file("eval_set"))
 
 
-def stored_problem_sets(run_dir: Path, audit: Audit) -> tuple[list, list] | None:
-    """The run's train and eval problems as problems.jsonl stores them (None: unusable).
+def stored_problem_sets(run_dir: Path, audit: Audit) -> dict[str, list] | None:
+    """The run's train, eval and guard problems as problems.jsonl stores them (None: unusable).
 
     The run directory alone is enough: no task generator or dataset is needed. The file is
     pinned by the manifest like every other; each prompt id is recomputed from its question
@@ -159,7 +160,7 @@ def stored_problem_sets(run_dir: Path, audit: Audit) -> tuple[list, list] | None
     if not numbered:
         return None
     try:
-        return problems_from_records(numbered, PROBLEMS_FILE)
+        return stored_sets(numbered, PROBLEMS_FILE)
     except InputError as error:
         audit.mismatch(f"{PROBLEMS_FILE} ({error})")
         return None
@@ -346,32 +347,41 @@ def check_steps(audit: Audit, evidence: dict, trajectories: list[dict],
 
 
 def check_retest_records(audit: Audit, evidence: dict, eval_records: list[dict],
-                         eval_prompt_ids: list[str] | None) -> None:
-    """A skipped re-test has no records and a run that says so; a held one covers the eval set."""
+                         eval_prompt_ids: list[str] | None, guard_records: list[dict] = (),
+                         guard_prompt_ids: list[str] | None = None) -> None:
+    """A skipped re-test has no records and a run that says so; a held one covers the eval set
+    (and the guard set, when the guard was on)."""
     comparison = evidence.get("comparison") or {}
     if comparison.get("skipped") is True:
         # A run stopped before its re-test records zeros; they are only honest if the run
         # says it did not finish and no re-test completion exists.
         if evidence.get("status") == "ok":
             audit.mismatch("comparison.skipped (a run with status ok must have a re-test)", True)
-        if eval_records:
-            audit.mismatch("eval_completions.jsonl (records of a skipped re-test)",
-                           len(eval_records), 0)
+        for name, records in (("eval_completions.jsonl", eval_records),
+                              (GUARD_FILE, guard_records)):
+            if records:
+                audit.mismatch(f"{name} (records of a skipped re-test)", len(records), 0)
         return
     if eval_prompt_ids is None:
         return
     for name in ("baseline", "candidate"):
         answered = sorted({str(r.get("prompt_id")) for r in eval_records if r.get("policy") == name})
         audit.compare(f"eval_completions.jsonl {name} prompt ids", answered, sorted(eval_prompt_ids))
+    for name in ("baseline", "candidate") if guard_prompt_ids else ():
+        answered = sorted({str(r.get("prompt_id")) for r in guard_records
+                           if r.get("policy") == name})
+        audit.compare(f"{GUARD_FILE} {name} prompt ids", answered, sorted(guard_prompt_ids))
 
 
 def check_assembly(audit: Audit, evidence: dict, trajectories: list[dict],
-                   eval_records: list[dict]) -> None:
+                   eval_records: list[dict], guard_records: list[dict] = ()) -> None:
     """Rebuild the evidence document from the recorded facts and the stored records with the
-    run's own function; every derived field must come out as recorded."""
+    run's own function; every derived field must come out as recorded (the guard's paired
+    statistics and the re-test drift included)."""
     try:
         rebuilt = assemble_evidence(recorded_facts(evidence), evidence["config"],
-                                    evidence.get("steps") or [], trajectories, eval_records)
+                                    evidence.get("steps") or [], trajectories, eval_records,
+                                    guard_records)
     except (ValueError, KeyError, TypeError) as error:
         audit.mismatch(f"evidence (cannot be rebuilt from the stored records: "
                        f"{type(error).__name__} {error})")
@@ -383,35 +393,48 @@ def check_assembly(audit: Audit, evidence: dict, trajectories: list[dict],
 
 # --- the whole audit ----------------------------------------------------------------------------
 
-def _read_run(audit: Audit, run_dir: Path) -> tuple[dict, list, list]:
-    """The manifest (empty when missing) and the numbered trajectory and re-test records."""
+def _read_run(audit: Audit, run_dir: Path, guard_expected: bool) -> tuple[dict, list, list, list]:
+    """The manifest (empty when missing) and the numbered trajectory, re-test and guard
+    records (the guard file is read when it exists or the run's config says it must)."""
     manifest: dict = {}
     if (run_dir / "manifest.json").is_file():
         manifest = _read_object(run_dir / "manifest.json", audit) or {}
     else:
         audit.mismatch("manifest.json (missing: the run did not complete)")
+    guard = (_numbered_jsonl(run_dir / GUARD_FILE, audit)
+             if guard_expected or (run_dir / GUARD_FILE).exists() else [])
     return (manifest, _numbered_jsonl(run_dir / "trajectories.jsonl", audit),
-            _numbered_jsonl(run_dir / "eval_completions.jsonl", audit))
+            _numbered_jsonl(run_dir / "eval_completions.jsonl", audit), guard)
 
 
-def _reload_references(audit: Audit, evidence: dict, run_dir: Path
-                       ) -> tuple[dict | None, dict | None]:
-    """Reference answers by prompt id of the stored train and eval sets (None: unavailable).
+def _guard_expected(evidence: dict) -> bool:
+    """A guard file must exist when the config's guard was on and the re-test ran."""
+    guard = evidence["config"].get("guard")
+    skipped = (evidence.get("comparison") or {}).get("skipped") is True
+    return isinstance(guard, dict) and guard.get("prompts", 0) > 0 and not skipped
+
+
+def _reload_references(audit: Audit, evidence: dict, run_dir: Path) -> dict[str, dict] | None:
+    """Reference answers by prompt id of the stored train, eval and guard sets (None:
+    unavailable).
 
     Each set must hash (the run's own `problem_set_hash`) to the identity the evidence records
     and hold as many problems as the config asked for."""
     stored = stored_problem_sets(run_dir, audit)
     if stored is None:
-        return None, None
+        return None
     config = evidence["config"]
-    for name, problems, size in (("train_set", stored[0], config["train_prompts"]),
-                                 ("eval_set", stored[1], config["eval_prompts"])):
-        recorded = evidence["inputs"].get(name) or {}
-        audit.compare(f"inputs.{name}.problem_set_sha256", recorded.get("problem_set_sha256"),
-                      problem_set_hash(problems))
-        audit.compare(f"{PROBLEMS_FILE} {name} size", size, len(problems))
-    return ({p.prompt_id: p.reference for p in stored[0]},
-            {p.prompt_id: p.reference for p in stored[1]})
+    guard = config.get("guard") if isinstance(config.get("guard"), dict) else {}
+    sizes = {"train": config["train_prompts"], "eval": config["eval_prompts"],
+             "guard": max(0, guard.get("prompts", 0))}
+    for split, size in sizes.items():
+        recorded = evidence["inputs"].get(f"{split}_set") or {}
+        if split != "guard" or size:
+            audit.compare(f"inputs.{split}_set.problem_set_sha256",
+                          recorded.get("problem_set_sha256"), problem_set_hash(stored[split]))
+        audit.compare(f"{PROBLEMS_FILE} {split}_set size", size, len(stored[split]))
+    return {split: {p.prompt_id: p.reference for p in problems}
+            for split, problems in stored.items()}
 
 
 def _reward_set(audit: Audit, evidence: dict, verifier):
@@ -428,7 +451,41 @@ def _reward_set(audit: Audit, evidence: dict, verifier):
     return reward_set
 
 
-def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numbered_eval,
+def _check_all_records(audit: Audit, evidence: dict, numbered: dict[str, list],
+                       references: dict[str, dict] | None, verifier, reward_set,
+                       policy_versions: dict[str, str]) -> None:
+    """Every stored completion re-scored: training, re-test and guard records."""
+    refs = references or {}
+    _check_run_records(audit, evidence, numbered["trajectories"], numbered["eval"],
+                       refs.get("train") if references else None,
+                       refs.get("eval") if references else None, verifier, reward_set,
+                       policy_versions)
+    if numbered["guard"]:
+        guard_verifier = _guard_verifier(audit, evidence)
+        check_records(audit, GUARD_FILE, numbered["guard"], guard_verifier,
+                      refs.get("guard") if references else None,
+                      lambda r: {"verifier_version": (evidence["inputs"].get("guard_verifier")
+                                                      or {}).get("version"),
+                                 "seed": evidence["seeds"]["eval"],
+                                 "policy_version": policy_versions.get(
+                                     r.get("policy"), "the baseline or candidate version")},
+                      evidence["config"]["max_new_tokens"])
+
+
+def _guard_verifier(audit: Audit, evidence: dict):
+    """The guard task's own verifier, rebuilt from the config; its version must be recorded."""
+    name = f"reasoning-gym/{evidence['config']['guard']['task']}"
+    recorded = evidence["inputs"].get("guard_verifier") or {}
+    try:
+        verifier = get_verifier(name)
+    except ValueError as error:
+        audit.mismatch(f"inputs.guard_verifier.name ({error})", recorded.get("name"))
+        return None
+    audit.compare("inputs.guard_verifier", recorded, {"name": name, "version": verifier.version})
+    return verifier
+
+
+def _check_run_records(audit: Audit, evidence: dict, numbered_trajectories, numbered_eval,
                        train_refs, eval_refs, verifier, reward_set,
                        policy_versions: dict[str, str]) -> None:
     versions = {s.get("step"): s.get("policy_version") for s in evidence.get("steps") or []}
@@ -466,22 +523,24 @@ def audit_run(run_dir: str | Path) -> dict[str, Any]:
             audit.mismatch("evidence.json (no config: not a grpogate evidence file)")
         return {"run_dir": str(run_dir), "recorded_decision": None, "decision": "reject",
                 "agrees": False, "mismatches": audit.mismatches, "checks": []}
-    manifest, numbered_trajectories, numbered_eval = _read_run(audit, run_dir)
-    trajectories = [record for _, record in numbered_trajectories]
-    eval_records = [record for _, record in numbered_eval]
     try:
+        manifest, *files = _read_run(audit, run_dir, _guard_expected(evidence))
+        numbered = dict(zip(("trajectories", "eval", "guard"), files))
+        trajectories, eval_records, guard_records = (
+            [record for _, record in numbered[name]] for name in ("trajectories", "eval", "guard"))
         if manifest:
             check_hashes(audit, run_dir, manifest, evidence, trajectories)
         versions = anchored_versions(audit, run_dir, evidence)
-        train_refs, eval_refs = _reload_references(audit, evidence, run_dir)
+        references = _reload_references(audit, evidence, run_dir)
         verifier = _verifier(audit, evidence)
         reward_set = _reward_set(audit, evidence, verifier)
-        _check_all_records(audit, evidence, numbered_trajectories, numbered_eval, train_refs,
-                           eval_refs, verifier, reward_set, versions)
+        _check_all_records(audit, evidence, numbered, references, verifier, reward_set, versions)
         check_steps(audit, evidence, trajectories,
                     reward_set.versions if reward_set is not None else None)
-        check_retest_records(audit, evidence, eval_records, list(eval_refs) if eval_refs else None)
-        check_assembly(audit, evidence, trajectories, eval_records)
+        check_retest_records(audit, evidence, eval_records,
+                             list(references["eval"]) if references else None, guard_records,
+                             list(references["guard"]) if references else None)
+        check_assembly(audit, evidence, trajectories, eval_records, guard_records)
     except (KeyError, TypeError, AttributeError) as error:
         # A field the audit needs is missing or of the wrong type: unreadable evidence.
         audit.mismatch(f"evidence (malformed: {type(error).__name__} {error})")

@@ -15,7 +15,9 @@ from grpogate.files import (ADAPTER_WEIGHTS, policy_version, safetensors_sha256,
 
 MANIFEST_VERSION = 1
 PROBLEMS_FILE = "problems.jsonl"  # every train and eval problem: what `decide` re-scores against
-RUN_FILES = ("evidence.json", "trajectories.jsonl", "eval_completions.jsonl", PROBLEMS_FILE)
+GUARD_FILE = "guard_completions.jsonl"  # both policies' re-test completions on the guard set
+RUN_FILES = ("evidence.json", "trajectories.jsonl", "eval_completions.jsonl", PROBLEMS_FILE,
+             GUARD_FILE)
 
 
 def trace_ids_sha256(trace_ids: list[str]) -> str:
