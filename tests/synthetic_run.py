@@ -16,8 +16,8 @@ the candidate's mean per-token KL to the baseline 0.1, 0.2, 0.3, 0.4. Token-weig
 KL = (0.1*6 + 0.2*7 + 0.3*8 + 0.4*16) / 37 = 10.8 / 37 = 0.29189...; baseline entropy
 (0.9*6 + 0.8*7 + 0.7*8 + 0.6*16) / 37 = 26.2 / 37 = 0.70810...; candidate entropy 0.5.
 
-Guard: off unless `guard_rewards` gives both policies' rewards per guard prompt (chain_sum,
-three one-digit terms, the default guard task; "Answer: <n>" completions, rewards 1 or 0).
+Guard: off unless `guard_rewards` gives both policies' rewards per guard prompt (products,
+two one-digit factors, the default guard task; "Answer: <n>" completions, rewards 1 or 0).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _completion(answer: int, correct: int, sample: int) -> tuple[str, int, bool]
 
 def _guard_records(guard_set, guard_rewards: dict, versions: dict, verifier, seed: int) -> list:
     """Both policies' guard completions: "Answer: <reference>" when the reward is 1, else
-    the reference + 1 (which the chain_sum scorer gives 0)."""
+    the reference + 1 (which the products scorer gives 0)."""
     records = []
     for name, version in versions.items():
         for problem, rewards in zip(guard_set, guard_rewards[name]):

@@ -232,7 +232,7 @@ def test_the_report_shows_the_guard_and_the_drift(tmp_path):
 
 
 def test_guard_prompts_are_disjoint_from_train_and_eval():
-    first = load_reasoning_gym("chain_sum", GuardConfig().params, 1, GuardConfig().seed)[0]
+    first = load_reasoning_gym("products", GuardConfig().params, 1, GuardConfig().seed)[0]
     guard, identity = load_guard_set(GuardConfig(prompts=8), first, [])
     assert first[0].prompt_id not in {p.prompt_id for p in guard} and len(guard) == 8
     assert identity["enabled"] is True and identity["seed"] == 3
@@ -247,7 +247,7 @@ def test_guard_prompts_are_disjoint_from_train_and_eval():
 
 def test_guard_config_keys_and_their_bounds():
     config = load_config("default")
-    assert (config.guard.prompts, config.guard.task) == (64, "chain_sum")
+    assert (config.guard.prompts, config.guard.task) == (64, "products")
     assert load_config("default", overrides=["guard.prompts=0"]).guard.enabled is False
     assert load_config("gsm8k_qwen05b").guard.enabled is False
     with pytest.raises(InputError, match="guard.prompts must be >= 0"):

@@ -87,16 +87,18 @@ class GuardConfig:
     Baseline and candidate also answer `prompts` guard problems (`group_size` samples each,
     the re-test's seed), disjoint by prompt id from the train and eval sets; a candidate
     significantly worse there is `tune` (gates.maximum_guard_reward_loss). prompts = 0: off,
-    and the evidence records it as off. Chosen so the baseline scores well above the floor
-    (a regression cannot show from near zero): 3 one-digit terms of chain_sum, the trained
-    task's neighbour with one more term.
+    and the evidence records it as off. The default guard is the trained task's arithmetic
+    neighbour, products of two one-digit numbers, chosen because the bundled baseline scores
+    well above the floor there (a regression cannot show from near zero): measured on 64
+    prompts x 4 (bf16 CPU), products 0.42 (pass@4 0.83), chain_sum with 3 one-digit terms
+    0.06, basic_arithmetic 0.02.
     """
 
     prompts: int = 64
     group_size: int = 4
-    task: str = "chain_sum"  # a reasoning-gym dataset; its own scorer verifies
+    task: str = "products"  # a reasoning-gym dataset; its own scorer verifies
     params: dict = field(
-        default_factory=lambda: {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     )
     seed: int = 3  # reasoning-gym generation seed of the guard problems
 
