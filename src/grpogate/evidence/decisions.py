@@ -341,7 +341,7 @@ def _guard_row(evidence: Any, gates: Any) -> dict[str, Any] | None:
     if not isinstance(gates, dict) or "maximum_guard_reward_loss" not in gates:
         return None
     guard, loss = _get(evidence, "guard"), finite_number(gates["maximum_guard_reward_loss"])
-    threshold = None if loss is None else -loss
+    threshold = None if loss is None else 0.0 - loss  # 0.0 - 0.0 shows as 0, not -0
     if isinstance(guard, dict) and guard.get("enabled") is False and not _retest_skipped(evidence):
         return _row("guard", "off", threshold, True, "tune")
     value = None
