@@ -78,6 +78,9 @@ def test_a_run_records_the_guard_and_the_drift(tiny_config, tmp_path, monkeypatc
     assert drift["kl_to_baseline"] > 0  # the update moved the tiny model
     assert [c["name"] for c in evidence["decision"]["checks"]][-4:] == [
         "guard", "retest_kl", "memory", "artifact"]
-    audit = audit_run(run_dir)
-    assert audit["mismatches"] == [] and audit["agrees"]
+    # The training rewards are the test's alternating stand-in, which the audit re-scores with
+    # the real verifier; everything of the re-test, the drift and the guard must agree.
+    fields = [m["field"] for m in audit_run(run_dir)["mismatches"]]
+    assert fields and all(f.startswith(("trajectories.jsonl", "steps[", "rollout."))
+                          for f in fields), fields
     assert 'id="guard-drift"' in (run_dir / "report.html").read_text()
