@@ -31,9 +31,10 @@ def _reference(policy, completion, temperature: float, baseline: bool) -> torch.
 
 def test_measure_drift_equals_one_forward_per_sequence(tiny_config, tmp_path):
     policy = load_policy(tiny_config(tmp_path), seed=0)
-    # Prompts and completions of different lengths, more than one batch of them.
+    # Prompts and completions of different lengths, more than one batch of them; the prompts
+    # share 20 tokens, so the forward's shared prefix (16, a whole width bucket) is cached.
     completions = [Completion(prompt_index=i, sample_index=0,
-                              prompt_token_ids=list(range(5, 12 + i % 5)),
+                              prompt_token_ids=list(range(5, 25)) + [200 + i % 3] * (1 + i % 4),
                               completion_token_ids=list(range(100, 101 + (3 * i) % 7)),
                               text="", hit_max_length=False)
                    for i in range(DRIFT_BATCH + 3)]

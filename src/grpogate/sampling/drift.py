@@ -11,7 +11,7 @@ values to the run's token-weighted means.
 
 Forward passes only, no gradient, with each policy's LoRA merged (`sampling_weights`); each
 micro-batch is forwarded under the candidate, then the baseline, so no more than one batch of
-full distributions is held at a time.
+full distributions is held at a time, and the prompts' shared prefix once per forward.
 """
 
 from __future__ import annotations
@@ -19,27 +19,45 @@ from __future__ import annotations
 import torch
 
 from grpogate.inputs.policy import Policy, sampling_weights
-from grpogate.sampling.decoding import left_pad
+from grpogate.sampling.decoding import (WIDTH_BUCKET, cache_keyword, round_up,
+                                       shared_prefix_length)
 
-DRIFT_BATCH = 16  # sequences per forward: [16, ~110, 49k] bf16 logits are about 170 MB
+DRIFT_BATCH = 16  # sequences per forward: [16, ~48, 49k] bf16 logits are about 75 MB
 
 
 def _log_softmax_rows(model, completions: list, pad_id: int, temperature: float
                       ) -> list[torch.Tensor]:
     """One [tokens_i, V] float32 log-softmax(logits / temperature) per completion, at the
-    positions that predict its tokens (prompt + completion, left-padded, one forward)."""
-    sequences = [list(c.prompt_token_ids) + list(c.completion_token_ids) for c in completions]
-    ids, mask = left_pad(sequences, pad_id, next(model.parameters()).device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    longest = max(len(c.completion_token_ids) for c in completions)
-    # The last `longest + 1` positions hold every completion's predicting positions.
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                   logits_to_keep=longest + 1).logits
+    positions that predict its tokens. The prefix every prompt shares (system prompt, chat
+    template: most of a re-test prompt) is forwarded once and its KV cache repeated for the
+    batch; each sequence's rest (prompt suffix + completion) follows, right-padded."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    shared = shared_prefix_length([list(c.prompt_token_ids) for c in completions])
+    rests = [list(c.prompt_token_ids[shared:]) + list(c.completion_token_ids)
+             for c in completions]
+    width = round_up(max(len(r) for r in rests), WIDTH_BUCKET)
+    ids = torch.full((len(rests), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rests), shared + width), dtype=torch.long)
+    mask[:, :shared] = 1
+    for row, rest in enumerate(rests):
+        ids[row, :len(rest)] = torch.tensor(rest, dtype=torch.long)
+        mask[row, shared:shared + len(rest)] = 1
+    extra = {}
+    if shared:
+        extra = {cache_keyword(model): DynamicCache(config=model.config)}
+        prefix = torch.tensor([list(completions[0].prompt_token_ids[:shared])], device=device)
+        model(input_ids=prefix, use_cache=True, logits_to_keep=1, **extra)
+        extra[cache_keyword(model)].batch_repeat_interleave(len(rests))
+    positions = shared + torch.arange(width, device=device)[None].expand(len(rests), -1)
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                   position_ids=positions, use_cache=bool(shared), **extra).logits
     rows = []
     for row, completion in enumerate(completions):
-        count = len(completion.completion_token_ids)
-        # Flush right: token j is predicted at column -(count + 1) + j of the kept logits.
-        picked = logits[row, logits.shape[1] - count - 1:logits.shape[1] - 1].float()
+        # Completion token j sits at rest column len(suffix) + j, predicted one column before.
+        first = len(completion.prompt_token_ids) - shared - 1
+        picked = logits[row, first:first + len(completion.completion_token_ids)].float()
         rows.append(torch.log_softmax(picked / temperature, dim=-1))
     return rows
 
