@@ -126,7 +126,7 @@ def test_search_runs_each_candidate_on_the_development_set(tiny_model_dir, tmp_p
     assert good["eval"]["seed"] == 1_000_000
     assert good["settings"] == {"learning_rate": 1e-4} and good["steps"] == 2
     assert good["dev_vs_default_eval"]["shared_prompts"] == 0
-    assert good["dev_vs_default_eval"]["default_eval_prompts"] == 48
+    assert good["dev_vs_default_eval"]["default_eval_prompts"] == load_config().eval_prompts
     assert "--set" in good["command"] and "task.eval_seed=1000000" in good["command"]
     stored = [json.loads(line) for line in
               (Path(good["run_dir"]) / "problems.jsonl").read_text().splitlines()]
