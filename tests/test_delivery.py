@@ -59,7 +59,8 @@ def test_problems_file_holds_every_problem_and_is_pinned(run_dir):
     evidence = json.loads((run_dir / "evidence.json").read_text())
     config = evidence["config"]
     assert [p["split"] for p in problems] == (["train"] * config["train_prompts"]
-                                              + ["eval"] * config["eval_prompts"])
+                                              + ["eval"] * config["eval_prompts"]
+                                              + ["guard"] * config["guard"]["prompts"])
     for problem in problems:
         assert problem["prompt_id"] == prompt_id(problem["question"])
         assert problem["task"] == {"source": "reasoning-gym", "name": "chain_sum",

@@ -14,7 +14,7 @@ from test_policy import perturb_lora_b
 from grpogate import pipeline
 from grpogate.evidence.audit import audit_run
 from grpogate.inputs.policy import load_policy, sampling_weights
-from grpogate.sampling.drift import DRIFT_BATCH, measure_drift
+from grpogate.sampling.drift import SWAP_GROUPS, measure_drift
 from grpogate.sampling.rollout import Completion
 from grpogate.training import loop as training
 
@@ -37,7 +37,7 @@ def test_measure_drift_equals_one_forward_per_sequence(tiny_config, tmp_path):
                               prompt_token_ids=list(range(5, 25)) + [200 + i % 3] * (1 + i % 4),
                               completion_token_ids=list(range(100, 101 + (3 * i) % 7)),
                               text="", hit_max_length=False)
-                   for i in range(DRIFT_BATCH + 3)]
+                   for i in range(SWAP_GROUPS + 3)]
     baseline, candidate = measure_drift(policy, completions, completions, 0.7)
     # LoRA B starts at zero: the candidate is the baseline, so every KL is 0.
     assert all(abs(v["kl_to_baseline"]) < 1e-6 for v in candidate)
@@ -53,6 +53,9 @@ def test_measure_drift_equals_one_forward_per_sequence(tiny_config, tmp_path):
                                                  rel=1e-4)
         assert before["entropy"] == pytest.approx(-(base.exp() * base).sum(-1).mean().item(),
                                                   rel=1e-4)
+    # A torchrun shard re-tests every other prompt: its values are the same numbers, bit for bit.
+    shard = completions[1::2]
+    assert measure_drift(policy, shard, shard, 0.7) == (baseline[1::2], candidate[1::2])
 
 
 def test_a_run_records_the_guard_and_the_drift(tiny_config, tmp_path, monkeypatch):

@@ -9,9 +9,10 @@ value carries no per-token sampling noise. For every completion of either policy
 own mean per-token entropy (before / after). `evidence/guard.py` reduces the per-completion
 values to the run's token-weighted means.
 
-Forward passes only, no gradient, with each policy's LoRA merged (`sampling_weights`); each
-micro-batch is forwarded under the candidate, then the baseline, so no more than one batch of
-full distributions is held at a time, and the prompts' shared prefix once per forward.
+Forward passes only, no gradient, with each policy's LoRA merged (`sampling_weights`): a few
+prompts' completions are forwarded under the candidate, then the baseline, so only their full
+distributions are held at a time; each forward is one prompt's completions, the prompt's
+prefix cached once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from grpogate.inputs.policy import Policy, sampling_weights
 from grpogate.sampling.decoding import (WIDTH_BUCKET, cache_keyword, round_up,
                                        shared_prefix_length)
 
-DRIFT_BATCH = 16  # sequences per forward: [16, ~48, 49k] bf16 logits are about 75 MB
+# Prompts whose full distributions are held between the candidate's and the baseline's
+# forwards: 8 groups x G 4 x ~10 tokens x 49k float32 is about 60 MB.
+SWAP_GROUPS = 8
 
 
 def _log_softmax_rows(model, completions: list, pad_id: int, temperature: float
@@ -66,27 +69,46 @@ def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
     return -(log_probs.exp() * log_probs).sum(-1)
 
 
+def _groups(completions: list) -> list[list]:
+    """Consecutive completions of one prompt (the re-test samples G per prompt in order)."""
+    groups: list[list] = []
+    for completion in completions:
+        if groups and groups[-1][0].prompt_index == completion.prompt_index:
+            groups[-1].append(completion)
+        else:
+            groups.append([completion])
+    return groups
+
+
 @torch.no_grad()
 def measure_drift(policy: Policy, baseline: list, candidate: list, temperature: float
                   ) -> tuple[list[dict], list[dict]]:
     """({"entropy"} per baseline completion, {"entropy", "kl_to_baseline"} per candidate
-    completion), each a mean over the completion's tokens (0.0 for an empty completion)."""
+    completion), each a mean over the completion's tokens (0.0 for an empty completion).
+
+    Each forward holds one prompt's completions, so a completion's values never depend on
+    which other prompts a process re-tests: one process and a torchrun shard record the same
+    numbers. The LoRA is merged once per SWAP_GROUPS groups, not per forward."""
     pad_id = policy.tokenizer.pad_token_id
     if pad_id is None:
         pad_id = policy.tokenizer.eos_token_id
-    model = policy.model
+
+    def rows(group: list) -> list[torch.Tensor]:
+        return _log_softmax_rows(policy.model, group, pad_id, temperature)
+
     baseline_values, candidate_values = [], []
-    for start in range(0, len(baseline), DRIFT_BATCH):
+    groups = _groups(baseline)
+    for start in range(0, len(groups), SWAP_GROUPS):
         with sampling_weights(policy, baseline=True):
-            rows = _log_softmax_rows(model, baseline[start:start + DRIFT_BATCH], pad_id,
-                                     temperature)
-        baseline_values += [{"entropy": _mean(_entropy(r))} for r in rows]
-    for start in range(0, len(candidate), DRIFT_BATCH):
-        batch = candidate[start:start + DRIFT_BATCH]
+            baseline_values += [{"entropy": _mean(_entropy(r))}
+                                for group in groups[start:start + SWAP_GROUPS] for r in rows(group)]
+    groups = _groups(candidate)
+    for start in range(0, len(groups), SWAP_GROUPS):
+        chunk = groups[start:start + SWAP_GROUPS]
         with sampling_weights(policy):
-            mine = _log_softmax_rows(model, batch, pad_id, temperature)
+            mine = [r for group in chunk for r in rows(group)]
         with sampling_weights(policy, baseline=True):
-            reference = _log_softmax_rows(model, batch, pad_id, temperature)
+            reference = [r for group in chunk for r in rows(group)]
         for own, base in zip(mine, reference):
             kl = (own.exp() * (own - base)).sum(-1)
             candidate_values.append({"entropy": _mean(_entropy(own)), "kl_to_baseline": _mean(kl)})
