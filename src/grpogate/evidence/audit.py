@@ -455,15 +455,12 @@ def _check_all_records(audit: Audit, evidence: dict, numbered: dict[str, list],
                        references: dict[str, dict] | None, verifier, reward_set,
                        policy_versions: dict[str, str]) -> None:
     """Every stored completion re-scored: training, re-test and guard records."""
-    refs = references or {}
+    refs = references or {}  # None: problems.jsonl unusable, the rewards cannot be re-scored
     _check_run_records(audit, evidence, numbered["trajectories"], numbered["eval"],
-                       refs.get("train") if references else None,
-                       refs.get("eval") if references else None, verifier, reward_set,
-                       policy_versions)
+                       refs.get("train"), refs.get("eval"), verifier, reward_set, policy_versions)
     if numbered["guard"]:
         guard_verifier = _guard_verifier(audit, evidence)
-        check_records(audit, GUARD_FILE, numbered["guard"], guard_verifier,
-                      refs.get("guard") if references else None,
+        check_records(audit, GUARD_FILE, numbered["guard"], guard_verifier, refs.get("guard"),
                       lambda r: {"verifier_version": (evidence["inputs"].get("guard_verifier")
                                                       or {}).get("version"),
                                  "seed": evidence["seeds"]["eval"],
