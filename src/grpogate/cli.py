@@ -220,6 +220,27 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
     _print_run_result(evidence, exit_code_from_decision)
 
 
+def safety_lines(evidence: dict) -> list[str]:
+    """The guard set's paired gain and the re-test drift, one line each (when recorded)."""
+    lines = []
+    guard = evidence.get("guard")
+    if isinstance(guard, dict) and not guard.get("enabled"):
+        lines.append(f"guard: {guard.get('note', 'off')}")
+    elif isinstance(guard, dict) and not guard.get("skipped"):
+        gain = guard["paired"]["reward_mean_gain"]
+        lines.append(f"guard ({guard['task']['name']}, {guard['prompts']} prompts x "
+                     f"{guard['group_size']}): mean reward {guard['baseline']['mean_reward']:.4f} "
+                     f"-> {guard['candidate']['mean_reward']:.4f}, gain {gain['point']:+.4f} "
+                     f"[{gain['low']:+.4f}, {gain['high']:+.4f}]")
+    drift = evidence["comparison"].get("drift")
+    if isinstance(drift, dict) and drift.get("kl_to_baseline") is not None:
+        entropy = drift["entropy"]
+        lines.append(f"drift on the re-test: KL(candidate || baseline) "
+                     f"{drift['kl_to_baseline']:.4f} per token, entropy "
+                     f"{entropy['baseline']:.4f} -> {entropy['candidate']:.4f}")
+    return lines
+
+
 def _print_run_result(evidence: dict, exit_code_from_decision: bool) -> None:
     """The gates table, the re-test line and the decision; exits with the run's code."""
     from grpogate.config import profile_note
@@ -239,6 +260,8 @@ def _print_run_result(evidence: dict, exit_code_from_decision: bool) -> None:
             f"{comparison['candidate']['mean_reward']:.4f}, pass@group "
             f"{comparison['baseline']['pass_at_group']:.4f} -> "
             f"{comparison['candidate']['pass_at_group']:.4f}")
+    for line in safety_lines(evidence):
+        console.print(line, soft_wrap=True)
     dynamic = evidence["rollout"].get("dynamic_sampling") or {}
     if dynamic.get("enabled"):
         console.print(f"dynamic sampling: {dynamic['prompts_drawn']} prompts drawn, "

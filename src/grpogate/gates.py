@@ -1,4 +1,5 @@
-"""The gate schema: the seven thresholds and the switches a decision reads, and their validation.
+"""The gate schema: the seven thresholds, the optional ones and the switches a decision reads,
+and their validation.
 
 Pure Python, below every wing: the configuration validates a gates table with it and the
 decisions read the same names.
@@ -30,6 +31,14 @@ _SIGNED_GATES = frozenset({"minimum_reward_gain", "minimum_pass_at_group_gain"})
 # the paired bootstrap interval's LOWER bound (evidence["comparison"]["paired"][gain]["low"])
 # instead of the point estimate, so a gain within sampling noise does not clear the gate.
 SWITCH_GATE_NAMES = ("require_significant_gain",)
+# Thresholds added after SPEC §4's seven; optional, and off when absent, so an older gates
+# table (and an older run's evidence) keeps its decision. Both are >= 0.
+# maximum_retest_kl: tune when the candidate's mean per-token KL to the baseline on the
+# re-test's fresh completions exceeds it; 0 = off (the KL is still recorded).
+# maximum_guard_reward_loss: tune when the candidate is worse on the guard set by more than
+# this: the guard gain's 95 % interval UPPER bound (or its point estimate, by the gain rule)
+# below -maximum_guard_reward_loss; 0 = any significant loss.
+OPTIONAL_GATE_NAMES = ("maximum_retest_kl", "maximum_guard_reward_loss")
 
 
 def finite_number(value: Any) -> int | float | None:
@@ -44,22 +53,23 @@ def finite_number(value: Any) -> int | float | None:
 
 
 def validate_gates(gates: Any) -> dict[str, float | bool]:
-    """The seven gates as floats, plus any switch gate given (a bool); InputError for an
+    """The seven gates as floats, plus any optional gate and switch given (a float, a bool);
+    InputError for an
     unknown, missing, non-number, non-finite or (except the two gain gates) negative value,
     or a switch that is not true/false."""
     if not isinstance(gates, dict):
         raise InputError(f"gates must be a table of {len(GATE_NAMES)} numbers, got "
                          f"{type(gates).__name__}")
-    known = ", ".join(GATE_NAMES + SWITCH_GATE_NAMES)
+    known = ", ".join(GATE_NAMES + OPTIONAL_GATE_NAMES + SWITCH_GATE_NAMES)
     for name in gates:
-        if name not in GATE_NAMES + SWITCH_GATE_NAMES:
+        if name not in GATE_NAMES + OPTIONAL_GATE_NAMES + SWITCH_GATE_NAMES:
             raise InputError(f"unknown gate {name!r}; known gates: {known}")
     missing = [name for name in GATE_NAMES if name not in gates]
     if missing:
         raise InputError(f"missing gate(s): {', '.join(missing)}; all of these are required: "
                          f"{', '.join(GATE_NAMES)}")
     validated = {}
-    for name in GATE_NAMES:
+    for name in GATE_NAMES + tuple(n for n in OPTIONAL_GATE_NAMES if n in gates):
         value = gates[name]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InputError(f"gate {name!r} must be a number, got {value!r}")

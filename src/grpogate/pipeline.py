@@ -27,7 +27,7 @@ import json
 import resource
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Collection
@@ -39,7 +39,8 @@ from grpogate.config import RunConfig, resume_config
 from grpogate.distributed import SINGLE, StageClock, World, agree_stop
 from grpogate.errors import InputError, command, plain
 from grpogate.evidence.assemble import assemble_evidence, library_versions
-from grpogate.evidence.manifest import PROBLEMS_FILE, build_manifest, read_baseline_manifest
+from grpogate.evidence.manifest import (GUARD_FILE, PROBLEMS_FILE, build_manifest,
+                                       read_baseline_manifest)
 from grpogate.evidence.trackers import Trackers, check_trackers
 from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, NullLog, RunDirLock, atomic_directory,
                             atomic_write_bytes,
@@ -92,6 +93,10 @@ class Admission:
     train_identity: dict
     eval_identity: dict
     baseline_version: str = ""  # what --baseline-manifest claims; the loaded policy must match
+    # The re-test's guard set (config [guard]; empty when off), its identity and own verifier.
+    guard: list[Problem] = field(default_factory=list)
+    guard_identity: dict = field(default_factory=lambda: {"enabled": False})
+    guard_verifier: object = None
 
 
 def run_dir_for(config: RunConfig) -> Path:
@@ -147,8 +152,16 @@ def admit(config: RunConfig, resume_dir: Path | None = None,
                                             importable=reward_code)
     except ValueError as error:
         raise InputError(f"config: rewards: {error}") from None
+    guard, guard_id = tasks.load_guard_set(config.guard, train, eval_set)
+    guard_verifier = None
+    if config.guard.enabled:
+        try:
+            guard_verifier = get_verifier(config.guard.verifier())
+        except ValueError as error:
+            raise InputError(f"guard: {error}") from None
     return Admission(config, run_dir, model_spec, revision, adapter, verifier, reward_set, train,
-                     eval_set, train_id, eval_id, baseline_version)
+                     eval_set, train_id, eval_id, baseline_version, guard, guard_id,
+                     guard_verifier)
 
 
 def refuse_unnamed_reward_code(config: RunConfig, reward_code: Collection[str],
@@ -176,7 +189,8 @@ def dry_run(config: RunConfig) -> dict:
     return {"run_dir": str(admission.run_dir), "model": base, "adapter": admission.adapter or None,
             "memory_estimate_bytes": estimate, "verifier": admission.verifier.version,
             "rewards": admission.reward_set.describe(), "train_prompts": len(admission.train),
-            "eval_prompts": len(admission.eval), "steps": config.steps,
+            "eval_prompts": len(admission.eval), "guard_prompts": len(admission.guard),
+            "steps": config.steps,
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "libraries": library_versions()}
 
@@ -201,6 +215,7 @@ def deliver_adapter(policy: Policy, run_dir: Path) -> str:
 def input_identity(admission: Admission, policy: Policy) -> dict:
     """What a resumed run must find unchanged: problem sets, verifier, base model, baseline."""
     return {"train_set": admission.train_identity, "eval_set": admission.eval_identity,
+            "guard_set": admission.guard_identity,
             "verifier_version": admission.verifier.version,
             "reward_versions": admission.reward_set.versions, "model_sha256": policy.base.sha256,
             "baseline_policy_version": policy.baseline_version}
@@ -258,6 +273,7 @@ class Prepared:
     optimizer: torch.optim.Optimizer
     inputs: dict  # input_identity: what a resumed run must find unchanged
     load_seconds: float
+    guard_prompts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -289,14 +305,15 @@ def prepare(admission: Admission) -> Prepared:
         torch.cuda.reset_peak_memory_stats(policy.device)
     # Encoded before anything is written: a prompt over max_prompt_tokens is bad input, and an
     # eval prompt must not fail only after hours of training.
-    train_prompts, eval_prompts = (
+    train_prompts, eval_prompts, guard_prompts = (
         encode_prompts(policy.tokenizer, problems, config.resolved_system_prompt(),
-                       config.max_prompt_tokens) for problems in (admission.train, admission.eval))
+                       config.max_prompt_tokens) if problems else []
+        for problems in (admission.train, admission.eval, admission.guard))
     trainable = trainable_parameters(policy)
     optimizer = torch.optim.AdamW(trainable.values(), lr=config.learning_rate,
                                   weight_decay=config.weight_decay)
     return Prepared(policy, train_prompts, eval_prompts, trainable, optimizer,
-                    input_identity(admission, policy), load_seconds)
+                    input_identity(admission, policy), load_seconds, guard_prompts)
 
 
 def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | None,
@@ -365,20 +382,28 @@ def train_policy(admission: Admission, prepared: Prepared, opened: OpenRun, repo
 
 def retest_stage(admission: Admission, prepared: Prepared, state: LoopState,
                  candidate_version: str, reporter, stop: StopRequest,
-                 world: World = SINGLE) -> tuple[list[dict], int, bool]:
+                 world: World = SINGLE) -> tuple[list[dict], int, bool, list[dict]]:
     """The re-test unless the loop stopped or a stop is pending: (records, verifier errors,
-    skipped). A stop during the re-test skips it as a whole."""
+    skipped, guard records). The eval set's records carry the drift (KL to the baseline,
+    entropy); the guard set, when on, is answered by both policies after it. A stop during
+    the re-test skips it as a whole."""
     config = admission.config
     if state.status == "ok" and agree_stop(world, stop):
         state.interrupt(stop, "before the re-test")
     elif state.status != "interrupted":
         retested = retest_both(prepared.policy, admission.eval, prepared.eval_prompts,
                                admission.verifier, config, candidate_version, reporter, stop,
-                               world)
-        if retested is not None:
-            return (*retested, False)
+                               world, drift=True)
+        guarded = ([], 0)
+        if retested is not None and admission.guard:
+            guarded = retest_both(prepared.policy, admission.guard, prepared.guard_prompts,
+                                  admission.guard_verifier, config, candidate_version, reporter,
+                                  stop, world, group_size=config.guard.group_size,
+                                  label="guard")
+        if retested is not None and guarded is not None:
+            return retested[0], retested[1] + guarded[1], False, guarded[0]
         state.interrupt(stop, "during the re-test")
-    return [], 0, True
+    return [], 0, True, []
 
 
 def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds: dict,
@@ -406,6 +431,10 @@ def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds
             # What training rewards are made of; the decision reads the verifier alone.
             "rewards": admission.reward_set.describe(),
             "train_set": admission.train_identity, "eval_set": admission.eval_identity,
+            "guard_set": admission.guard_identity,
+            "guard_verifier": ({"name": config.guard.verifier(),
+                                "version": admission.guard_verifier.version}
+                               if admission.guard_verifier is not None else None),
         },
         "contract": state.contract, "seconds": seconds,
         "verifier_errors": state.verifier_errors, "reward_errors": state.reward_errors,
@@ -420,11 +449,15 @@ def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds
 
 
 def write_run_files(run_dir: Path, evidence: dict, problems: list[dict],
-                    eval_records: list[dict], trajectories: list[dict], reporter) -> None:
-    """Problems, re-test records, evidence, then the manifest (last: the run is complete), the
-    report. The problems make the directory self-contained: `decide` re-scores from them."""
+                    eval_records: list[dict], trajectories: list[dict], reporter,
+                    guard_records: list[dict] = ()) -> None:
+    """Problems, re-test (and guard) records, evidence, then the manifest (last: the run is
+    complete), the report. The problems make the directory self-contained: `decide` re-scores
+    from them."""
     atomic_write_bytes(run_dir / PROBLEMS_FILE, jsonl_bytes(problems))
     atomic_write_bytes(run_dir / "eval_completions.jsonl", jsonl_bytes(eval_records))
+    if guard_records:
+        atomic_write_bytes(run_dir / GUARD_FILE, jsonl_bytes(list(guard_records)))
     atomic_write_json(run_dir / "evidence.json", evidence)
     atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))
     # A finished run can no longer be resumed: its checkpoints are waste. A run stopped by a
@@ -521,10 +554,11 @@ def _train_to_evidence(admission: Admission, prepared: Prepared, opened: OpenRun
                           candidate_version, distributed)
         state = opened.state
         evidence = assemble_evidence(facts, config.to_dict(), state.steps, state.trajectories,
-                                     retested[0])
-        problems = tasks.problem_records(config.task, admission.train, admission.eval)
+                                     retested[0], retested[3])
+        problems = tasks.problem_records(config.task, admission.train, admission.eval,
+                                         config.guard, admission.guard)
         write_run_files(opened.run_dir, evidence, problems, retested[0], state.trajectories,
-                        reporter)
+                        reporter, retested[3])
         trackers.log_final(evidence)
         evidence["run_dir"] = str(opened.run_dir)
     return world.broadcast_object(evidence)
