@@ -341,7 +341,11 @@ def test_grpogate_run_nproc_names_a_killed_rank_in_one_line_and_the_resume_works
     resumed = grpogate_job(["run", "--resume", str(run_dir), "--nproc", "2"], environment,
                            tmp_path)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
-    assert json.loads((run_dir / "manifest.json").read_text())["status"] == "ok"
+    # Finished from the checkpoint: every step's groups once (4 steps x 2 prompts x G = 4).
+    # (Its status is the random model's: no reward, no effective update.)
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    assert (run_dir / "manifest.json").is_file() and len(evidence["resumes"]) == 1
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 4 * 2 * 4
 
 
 def test_a_prompt_alone_samples_the_log_probs_it_gets_in_a_batch(tiny_model_dir):
