@@ -1,6 +1,6 @@
 """One run: admission, rollout + update, independent re-test, delivery — each one call, in order.
 
-`_execute` reads as the stages: load the policy and encode the prompts, open the run directory
+`run` (or `resume`) admits, then `_execute` reads as the stages: load the policy and encode the prompts, open the run directory
 (or reopen a killed one), train (training/loop.py checkpoints after every step), deliver the
 adapter, re-test both policies on the eval prompts, assemble the evidence from plain records
 (evidence/assemble.py, the function the audit calls too) and write it, the manifest last.
@@ -147,8 +147,10 @@ def admit(config: RunConfig, resume_dir: Path | None = None,
                                             importable=reward_code)
     except ValueError as error:
         raise InputError(f"config: rewards: {error}") from None
-    return Admission(config, run_dir, model_spec, revision, adapter, verifier, reward_set, train,
-                     eval_set, train_id, eval_id, baseline_version)
+    return Admission(config=config, run_dir=run_dir, model_spec=model_spec, model_revision=revision,
+                     adapter=adapter, verifier=verifier, reward_set=reward_set, train=train,
+                     eval=eval_set, train_identity=train_id, eval_identity=eval_id,
+                     baseline_version=baseline_version)
 
 
 def refuse_unnamed_reward_code(config: RunConfig, reward_code: Collection[str],
@@ -295,8 +297,9 @@ def prepare(admission: Admission) -> Prepared:
     trainable = trainable_parameters(policy)
     optimizer = torch.optim.AdamW(trainable.values(), lr=config.learning_rate,
                                   weight_decay=config.weight_decay)
-    return Prepared(policy, train_prompts, eval_prompts, trainable, optimizer,
-                    input_identity(admission, policy), load_seconds)
+    return Prepared(policy=policy, train_prompts=train_prompts, eval_prompts=eval_prompts,
+                    trainable=trainable, optimizer=optimizer,
+                    inputs=input_identity(admission, policy), load_seconds=load_seconds)
 
 
 def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | None,
@@ -348,19 +351,21 @@ def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | Non
     reporter.log(f"run directory: {plain(run_dir)}")
     header = {"config": config.to_dict(), "run_label": run_label, "inputs": prepared.inputs,
               "resumes": resumes}
-    return OpenRun(run_dir, run_label, log, state, resumes,
-                   CheckpointWriter(run_dir, header, prepared.trainable, prepared.optimizer,
-                                    started, earlier_seconds, writes=world.is_main))
+    checkpoints = CheckpointWriter(run_dir=run_dir, header=header, trainable=prepared.trainable,
+                                   optimizer=prepared.optimizer, started=started,
+                                   earlier_seconds=earlier_seconds, writes=world.is_main)
+    return OpenRun(run_dir=run_dir, run_label=run_label, log=log, state=state, resumes=resumes,
+                   checkpoints=checkpoints)
 
 
-def train_policy(admission: Admission, prepared: Prepared, opened: OpenRun, reporter,
-                 stop: StopRequest, trackers: Trackers, world: World = SINGLE) -> None:
-    """The rollout / update loop; every finished step also goes to the trackers."""
-    config = admission.config
-    loop = Loop(prepared.policy, config, admission.verifier, admission.reward_set, admission.train,
-                prepared.train_prompts, opened.log, reporter, opened.run_label,
-                prepared.optimizer, stop, opened.checkpoints, world)
-    train(loop, opened.state, on_step=trackers.log_step)
+def training_loop(admission: Admission, prepared: Prepared, opened: OpenRun, reporter,
+                  stop: StopRequest, world: World = SINGLE) -> Loop:
+    """What stays fixed over the rollout / update loop."""
+    return Loop(policy=prepared.policy, config=admission.config, verifier=admission.verifier,
+                reward_set=admission.reward_set, problems=admission.train,
+                prompts=prepared.train_prompts, log=opened.log, reporter=reporter,
+                run_label=opened.run_label, optimizer=prepared.optimizer, stop=stop,
+                checkpoints=opened.checkpoints, world=world)
 
 
 def retest_stage(admission: Admission, prepared: Prepared, state: LoopState,
@@ -446,19 +451,37 @@ def write_run_files(run_dir: Path, evidence: dict, problems: list[dict],
 
 def _execute(admission: Admission, reporter, stop: StopRequest,
              resumed: Checkpoint | None, held, world: World = SINGLE) -> dict:
-    config = admission.config
+    """The stages of one run, in order."""
     started = time.perf_counter()
-    prepared = prepare(admission)
+    prepared = prepare(admission)  # admission's second half: the policy loaded, prompts encoded
     if agree_stop(world, stop):  # nothing written or changed yet: stopping here leaves no trace
         raise RunInterrupted(stop.signal_name)
     opened = open_run(admission, prepared, resumed, started, reporter, held, world)
-    # A resumed run opens new tracker runs (TensorBoard: a new events file in the same directory).
-    trackers = Trackers(config, opened.run_dir, opened.run_label) if world.is_main else Trackers.none()
-    for name, tracker in trackers.opened:
-        reporter.log(f"{name}: {tracker.where}")
+    trackers = open_trackers(admission.config, opened, reporter, world)
     decision = ""
     try:
-        evidence = _train_to_evidence(admission, prepared, opened, reporter, stop, trackers, world)
+        # rollout, reward and update, checkpointed after every step
+        train(training_loop(admission, prepared, opened, reporter, stop, world), opened.state,
+              on_step=trackers.log_step)
+        candidate_version = current_version(prepared.policy)
+        same_adapter_everywhere(world, candidate_version)
+        adapter_sha = deliver_adapter(prepared.policy, opened.run_dir) if world.is_main else ""
+        clock = StageClock(world)
+        retested = retest_stage(admission, prepared, opened.state, candidate_version, reporter,
+                                stop, world)
+        seconds = {**opened.state.seconds, "load": prepared.load_seconds,
+                   "evaluation": clock.wall()}
+        distributed = distributed_facts(world, {**opened.state.own_seconds,
+                                                "evaluation": clock.own()})
+        seconds["total"] = opened.checkpoints.elapsed()
+        evidence = None
+        if world.is_main:  # assemble the evidence and write it, the manifest last
+            facts = run_facts(admission, prepared, opened, seconds, retested, adapter_sha,
+                              candidate_version, distributed)
+            evidence = write_evidence(admission, opened, facts, retested[0], reporter)
+            trackers.log_final(evidence)
+            evidence["run_dir"] = str(opened.run_dir)
+        evidence = world.broadcast_object(evidence)
         decision = evidence["decision"]["decision"]
     except Exception as error:
         if resumed is None and world.is_main and latest_checkpoint(opened.run_dir) is None:
@@ -487,6 +510,27 @@ def discard_unstarted_run(run_dir: Path, error: Exception) -> None:
         "cause is fixed") from error
 
 
+def open_trackers(config: RunConfig, opened: OpenRun, reporter, world: World) -> Trackers:
+    """--report-to's trackers, on rank 0. A resumed run opens new tracker runs (TensorBoard: a
+    new events file in the same directory)."""
+    trackers = Trackers(config, opened.run_dir, opened.run_label) if world.is_main else Trackers.none()
+    for name, tracker in trackers.opened:
+        reporter.log(f"{name}: {tracker.where}")
+    return trackers
+
+
+def write_evidence(admission: Admission, opened: OpenRun, facts: dict, eval_records: list[dict],
+                   reporter) -> dict:
+    """Assemble the evidence from the run's facts and records (the audit's function too) and
+    write the run's files; returns the evidence."""
+    config, state = admission.config, opened.state
+    evidence = assemble_evidence(facts, config.to_dict(), state.steps, state.trajectories,
+                                 eval_records)
+    problems = tasks.problem_records(config.task, admission.train, admission.eval)
+    write_run_files(opened.run_dir, evidence, problems, eval_records, state.trajectories, reporter)
+    return evidence
+
+
 def same_adapter_everywhere(world: World, candidate_version: str) -> None:
     """Every rank must end with the adapter rank 0 delivers: a rank that drifted (a collective
     skipped, another library) would make the evidence describe a policy it did not train."""
@@ -500,34 +544,6 @@ def same_adapter_everywhere(world: World, candidate_version: str) -> None:
 def distributed_facts(world: World, own_seconds: dict) -> dict:
     """World size, backend and every rank's own stage seconds (gathered from all ranks)."""
     return {**world.describe(), "per_rank_seconds": world.all_gather_object(own_seconds)}
-
-
-def _train_to_evidence(admission: Admission, prepared: Prepared, opened: OpenRun, reporter,
-                       stop: StopRequest, trackers: Trackers, world: World = SINGLE) -> dict:
-    config = admission.config
-    train_policy(admission, prepared, opened, reporter, stop, trackers, world)
-    candidate_version = current_version(prepared.policy)
-    same_adapter_everywhere(world, candidate_version)
-    adapter_sha = deliver_adapter(prepared.policy, opened.run_dir) if world.is_main else ""
-    clock = StageClock(world)
-    retested = retest_stage(admission, prepared, opened.state, candidate_version, reporter, stop,
-                            world)
-    seconds = {**opened.state.seconds, "load": prepared.load_seconds, "evaluation": clock.wall()}
-    distributed = distributed_facts(world, {**opened.state.own_seconds, "evaluation": clock.own()})
-    seconds["total"] = opened.checkpoints.elapsed()
-    evidence = None
-    if world.is_main:
-        facts = run_facts(admission, prepared, opened, seconds, retested, adapter_sha,
-                          candidate_version, distributed)
-        state = opened.state
-        evidence = assemble_evidence(facts, config.to_dict(), state.steps, state.trajectories,
-                                     retested[0])
-        problems = tasks.problem_records(config.task, admission.train, admission.eval)
-        write_run_files(opened.run_dir, evidence, problems, retested[0], state.trajectories,
-                        reporter)
-        trackers.log_final(evidence)
-        evidence["run_dir"] = str(opened.run_dir)
-    return world.broadcast_object(evidence)
 
 
 def json_roundtrip(value):
