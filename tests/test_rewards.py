@@ -221,7 +221,7 @@ def test_the_step_contract_checks_every_components_version():
         "admitted": False, "failed_checks": ["reward_versions"]}
     assert check_step_contract(_records(expected, {"correctness": 1.0}), "pol", "v1", 2,
                                expected)["failed_checks"] == ["reward_versions"]
-    # Without expected versions the SPEC §4 contract is unchanged.
+    # Without expected versions the docs/design.md §5 contract is unchanged.
     assert check_step_contract(_records(other, values), "pol", "v1", 2)["admitted"] is True
 
 

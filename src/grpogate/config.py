@@ -52,19 +52,20 @@ class TaskConfig:
 
 @dataclass
 class Gates:
-    """Delivery gates, named as in SPEC §4. Minimums and maximums are inclusive."""
+    """Delivery gates (docs/design.md §6). Minimums and maximums are inclusive."""
 
     minimum_valid_group_ratio: float = 0.20
-    # 0.5 effective trajectories/s on the 2-core CPU default; SPEC §5's GPU profile asks 1.0.
+    # 0.5 effective trajectories/s on the 2-core CPU default; the GPU reference profile asks 1.0.
     minimum_effective_trajectories_per_second: float = 0.5
     minimum_update_count: float = 1
     minimum_reward_gain: float = 0.0
     minimum_pass_at_group_gain: float = 0.0
     maximum_max_length_hit_ratio: float = 0.50
     maximum_peak_allocated_bytes: float = 10 * 1024**3
-    # true (the default profile, SPEC §3): the reward and pass_at_group gates must be cleared
-    # by the 95 % paired bootstrap interval's lower bound, so `accept` means a gain the re-test
-    # resolves; false reads the point estimate (SPEC §5's published gates; gsm8k_qwen05b.toml).
+    # true (the default profile, docs/design.md §6): the reward and pass_at_group gates must be
+    # cleared by the 95 % paired bootstrap interval's lower bound, so `accept` means a gain the
+    # re-test resolves; false reads the point estimate (the reference profile's published
+    # gates, gsm8k_qwen05b.toml).
     require_significant_gain: bool = True
 
 

@@ -90,7 +90,7 @@ KEY_HELP = {
     "gates.maximum_max_length_hit_ratio": "tune if more completions than this hit max_new_tokens",
     "gates.maximum_peak_allocated_bytes": "tune if peak memory exceeds this",
     "gates.require_significant_gain": "true: gain gates read the 95 % bootstrap lower bound; false: "
-                                      "the point estimate (SPEC §5's gates)",
+                                      "the point estimate (the reference profile's gates)",
 }
 
 

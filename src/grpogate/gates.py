@@ -24,7 +24,7 @@ GATE_NAMES = (
 # a rate or a size, for which a negative bound is a mistake.
 _SIGNED_GATES = frozenset({"minimum_reward_gain", "minimum_pass_at_group_gain"})
 # Switches rather than thresholds; optional, and off when absent, so a gates table written for
-# SPEC §5 keeps its meaning in the decision functions. (A run's config always records the
+# the reference profile (docs/design.md §13) keeps its meaning in the decision functions. (A run's config always records the
 # switch: the default profile sets it true, and a --gates file that omits it keeps the
 # profile's value.) require_significant_gain: the reward and pass_at_group checks read
 # the paired bootstrap interval's LOWER bound (evidence["comparison"]["paired"][gain]["low"])

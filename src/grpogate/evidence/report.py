@@ -135,7 +135,7 @@ def advice_section(evidence: dict) -> str:
     failed = [c for c in (evidence.get("decision") or {}).get("checks") or [] if not c.get("passed")]
     if not failed:
         return ""
-    items = "".join(f"<li><b>{_e(c.get('name'))}</b>: {_e(ADVICE.get(c.get('name'), 'see SPEC §4'))}</li>"
+    items = "".join(f"<li><b>{_e(c.get('name'))}</b>: {_e(ADVICE.get(c.get('name'), 'see docs/design.md §5'))}</li>"
                     for c in failed)
     return _h2("what-to-try", "What to try") + f"<ul>{items}</ul>"
 
