@@ -73,7 +73,7 @@ def build_config(spec: dict, out: str = ""):
 
 
 def problem_sets(config) -> tuple[list, list, dict]:
-    from grpogate.pipeline import load_problem_sets
+    from grpogate.admission import load_problem_sets
 
     train, train_id, eval_set, eval_id = load_problem_sets(config)
     return train, eval_set, {"train_sha256": train_id["problem_set_sha256"],

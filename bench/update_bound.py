@@ -72,7 +72,7 @@ def _regenerated_train_set(run_dir):
     """The train problems of a run without problems.jsonl: its task, sizes and seed as its
     evidence records them (prompt ids are question hashes, so a mismatch cannot pass)."""
     from grpogate.config import load_config
-    from grpogate.pipeline import load_problem_sets
+    from grpogate.admission import load_problem_sets
 
     recorded = json.loads((run_dir / "evidence.json").read_text())["config"]
     task = recorded["task"]
@@ -90,7 +90,7 @@ def _regenerated_train_set(run_dir):
 def sampled_rollouts(policy, config, steps: int) -> list[tuple[list, list, list]]:
     from grpogate.inputs.policy import sampling_weights
     from grpogate.inputs.verifiers import get_verifier
-    from grpogate.pipeline import load_problem_sets
+    from grpogate.admission import load_problem_sets
     from grpogate.sampling.decoding import make_stepper
     from grpogate.sampling.rollout import encode_prompts, generate_completions, sampling_settings
 

@@ -75,7 +75,7 @@ def _completion(answer: int, correct: int, sample: int) -> tuple[str, int, bool]
 
 def write_synthetic_run(root: Path, **gates) -> Path:
     """Write data and a finished run under `root`; returns the run directory."""
-    from grpogate.pipeline import load_problem_sets
+    from grpogate.admission import load_problem_sets
 
     data = root / "data"
     data.mkdir(parents=True)

@@ -416,7 +416,7 @@ def test_a_run_failing_before_its_first_checkpoint_leaves_nothing(tiny_model_dir
     def overflow(*args, **kwargs):
         raise OverflowError("math range error")
 
-    monkeypatch.setattr(pipeline, "train_policy", overflow)
+    monkeypatch.setattr(pipeline, "train", overflow)  # the training stage
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["run", "--profile", "smoke", "--model", str(tiny_model_dir),
                                       "--out", str(out), "--set", "train_prompts=2",

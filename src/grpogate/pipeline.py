@@ -1,10 +1,11 @@
 """One run: admission, rollout + update, independent re-test, delivery — each one call, in order.
 
-`run` (or `resume`) admits, then `_execute` reads as the stages: load the policy and encode the prompts, open the run directory
-(or reopen a killed one), train (training/loop.py checkpoints after every step), deliver the
-adapter, re-test both policies on the eval prompts, assemble the evidence from plain records
-(evidence/assemble.py, the function the audit calls too) and write it, the manifest last.
-Nothing is written before admission passes.
+`run` (or `resume`) admits (admission.py), then `_execute` reads as the stages: load the
+policy and encode the prompts, open the run directory (or reopen a killed one), train
+(training/loop.py checkpoints after every step), deliver the adapter, re-test both policies on
+the eval prompts, assemble the evidence from plain records (evidence/assemble.py, the function
+the audit calls too) and write it, the manifest last. Nothing is written before admission
+passes.
 
 `resume` continues a killed or interrupted run from its last checkpoint with the run's stored
 config and finishes it normally. SIGINT / SIGTERM stop a run at the next safe point: the
@@ -16,7 +17,8 @@ Under torchrun every rank runs these same stages (distributed.World says which r
 all load the policy, sample their shard and train their share; rank 0 alone creates, locks
 and writes the run directory, the others hand it what it writes through gathers; at the end
 all ranks check that they hold the same adapter, and rank 0's evidence is every rank's result.
-A worker group restarted by torchrun's elastic agent resumes its job's run (elastic.py).
+A worker group restarted by torchrun's elastic agent resumes its job's run
+(distributed/elastic.py).
 """
 
 from __future__ import annotations
@@ -34,28 +36,21 @@ from typing import Collection
 
 import torch
 
-from grpogate import elastic
+from grpogate.admission import Admission, admit, check_budget, run_dir_for
 from grpogate.config import RunConfig, resume_config
-from grpogate.distributed import SINGLE, StageClock, World, agree_stop
+from grpogate.distributed import SINGLE, StageClock, World, agree_stop, elastic
 from grpogate.errors import InputError, command, plain
 from grpogate.evidence.assemble import assemble_evidence, library_versions
-from grpogate.evidence.manifest import PROBLEMS_FILE, build_manifest, read_baseline_manifest
-from grpogate.evidence.trackers import Trackers, check_trackers
+from grpogate.evidence.manifest import PROBLEMS_FILE, build_manifest
+from grpogate.evidence.trackers import Trackers
 from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, NullLog, RunDirLock, atomic_directory,
-                            atomic_write_bytes,
-                            atomic_write_json, create_run_dir, jsonl_bytes, read_jsonl,
-                            refuse_existing_output, refuse_output_inside_a_run, remove_staging,
-                            sha256_path)
+                            atomic_write_bytes, atomic_write_json, create_run_dir, jsonl_bytes,
+                            read_jsonl, remove_staging, sha256_path)
 from grpogate.inputs import tasks
-from grpogate.inputs.budget import check_output_writable
-from grpogate.inputs.policy import (Policy, check_adapter_dir, current_version, default_cache_dir,
-                                    load_policy, resolve_base_model, save_adapter,
+from grpogate.inputs.policy import (Policy, current_version, load_policy, save_adapter,
                                     trainable_parameters)
-from grpogate.inputs.rewards import RewardSet, reward_set_from_config, user_reward_names
-from grpogate.inputs.tasks import Problem
-from grpogate.inputs.verifiers import check_references, get_verifier
+from grpogate.inputs.rewards import user_reward_names
 from grpogate.interrupts import RunInterrupted, StopRequest, stop_on_signals
-from grpogate.preflight import check_budget, dry_run_checks
 from grpogate.sampling.retest import retest_both
 from grpogate.sampling.rollout import encode_prompts
 from grpogate.training.checkpoint import (CHECKPOINTS, Checkpoint, CheckpointWriter,
@@ -74,113 +69,6 @@ class NullReporter:
 
     def log(self, message: str) -> None:
         pass
-
-
-@dataclass
-class Admission:
-    """Everything frozen before the first completion is sampled."""
-
-    config: RunConfig
-    run_dir: Path
-    model_spec: str
-    model_revision: str
-    adapter: str
-    verifier: object
-    reward_set: RewardSet
-    train: list[Problem]
-    eval: list[Problem]
-    train_identity: dict
-    eval_identity: dict
-    baseline_version: str = ""  # what --baseline-manifest claims; the loaded policy must match
-
-
-def run_dir_for(config: RunConfig) -> Path:
-    if config.out:
-        return Path(config.out)
-    label = config.label or f"{config.profile}-{datetime.now():%Y%m%d-%H%M%S}"
-    config.label = label
-    return Path("runs") / label
-
-
-def load_problem_sets(config: RunConfig) -> tuple[list[Problem], dict, list[Problem], dict]:
-    return tasks.load_problem_sets(config.task, config.train_prompts, config.eval_prompts)
-
-
-def admit(config: RunConfig, resume_dir: Path | None = None,
-          reward_code: Collection[str] | None = None) -> Admission:
-    """Check config, inputs and environment; raises InputError before anything is written.
-
-    A new run refuses an existing output path; a resumed run (`resume_dir`) reuses its own.
-    `reward_code`: the user rewards (`module:function`) the user named on this command line;
-    None when `config` is the user's own. A resumed run's config comes from its directory:
-    every user reward in it must be named again, or nothing of it is imported.
-    """
-    run_dir = resume_dir or run_dir_for(config)
-    if reward_code is not None:
-        refuse_unnamed_reward_code(config, reward_code, run_dir)
-    if resume_dir is None:
-        if not never_checkpointed(run_dir):  # one a killed run left is replaced (open_run)
-            refuse_existing_output(run_dir)
-        refuse_output_inside_a_run(run_dir)
-    check_output_writable(run_dir, 0)  # the room it needs is known once the model's shapes are
-    if config.tensorboard and Path(config.tensorboard).is_file():
-        raise InputError(f"tensorboard {config.tensorboard}: is a file; give a directory for the "
-                         "events files")
-    check_trackers(config)
-    model_spec, revision, adapter = config.model, config.model_revision, config.adapter
-    baseline_version = ""
-    if config.baseline_manifest:
-        baseline = read_baseline_manifest(config.baseline_manifest)
-        model_spec, revision, adapter = baseline["model"], baseline["revision"], baseline["adapter"]
-        baseline_version = baseline["policy_version"]
-    if adapter:
-        check_adapter_dir(adapter)
-    # Problems before the verifier: an unknown task name is then reported as the task's error.
-    train, train_id, eval_set, eval_id = load_problem_sets(config)
-    try:
-        verifier = get_verifier(config.resolved_verifier())
-    except ValueError as error:
-        raise InputError(f"verifier: {error}") from None
-    check_references(verifier, train + eval_set)
-    try:
-        reward_set = reward_set_from_config(config.to_dict(), verifier.version,
-                                            importable=reward_code)
-    except ValueError as error:
-        raise InputError(f"config: rewards: {error}") from None
-    return Admission(config=config, run_dir=run_dir, model_spec=model_spec, model_revision=revision,
-                     adapter=adapter, verifier=verifier, reward_set=reward_set, train=train,
-                     eval=eval_set, train_identity=train_id, eval_identity=eval_id,
-                     baseline_version=baseline_version)
-
-
-def refuse_unnamed_reward_code(config: RunConfig, reward_code: Collection[str],
-                               run_dir: Path) -> None:
-    """InputError when the stored config names user reward code the user did not name."""
-    unnamed = [name for name in user_reward_names(config.rewards) if name not in reward_code]
-    if unnamed:
-        raise InputError(
-            f"{run_dir}: the run's rewards name user code ({', '.join(unnamed)}); --resume "
-            "imports only reward code you name: pass --config FILE (or --set 'rewards=[...]') "
-            "with the same rewards as the run")
-
-
-def dry_run(config: RunConfig) -> dict:
-    """Everything a run checks before it writes, without loading the weights or sampling:
-    admission, where the model comes from, the prompts' token lengths, the LoRA target
-    modules (on a weightless copy of the model), the memory estimate and the disk room."""
-    admission = admit(config)
-    base, estimate = "hub id (resolved at load time)", None
-    if admission.model_spec.count("/") != 1 or Path(admission.model_spec).exists():
-        source = resolve_base_model(admission.model_spec, admission.model_revision,
-                                    default_cache_dir(config))
-        base = source.identity()
-        estimate = dry_run_checks(admission, source)
-    return {"run_dir": str(admission.run_dir), "model": base, "adapter": admission.adapter or None,
-            "memory_estimate_bytes": estimate, "verifier": admission.verifier.version,
-            "rewards": admission.reward_set.describe(), "train_prompts": len(admission.train),
-            "eval_prompts": len(admission.eval), "steps": config.steps,
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "libraries": library_versions()}
 
 
 def peak_memory(device: torch.device) -> dict:
@@ -212,7 +100,7 @@ def run(config: RunConfig, reporter=None, world: World = SINGLE) -> dict:
     """Run every stage; returns the evidence dict (also on disk with the manifest).
 
     SIGINT / SIGTERM stop the run at the next safe point with status `interrupted`. A worker
-    group that torchrun's agent restarted continues its job's run (elastic.py)."""
+    group that torchrun's agent restarted continues its job's run (distributed/elastic.py)."""
     elastic.settle_run_dir(config, world)
     if elastic.restart_action(run_dir_for(config), world) == "resume":
         reporter = reporter or NullReporter()
@@ -513,7 +401,9 @@ def discard_unstarted_run(run_dir: Path, error: Exception) -> None:
 def open_trackers(config: RunConfig, opened: OpenRun, reporter, world: World) -> Trackers:
     """--report-to's trackers, on rank 0. A resumed run opens new tracker runs (TensorBoard: a
     new events file in the same directory)."""
-    trackers = Trackers(config, opened.run_dir, opened.run_label) if world.is_main else Trackers.none()
+    if not world.is_main:
+        return Trackers.none()
+    trackers = Trackers(config, opened.run_dir, opened.run_label)
     for name, tracker in trackers.opened:
         reporter.log(f"{name}: {tracker.where}")
     return trackers

@@ -17,7 +17,7 @@ import torch
 from grpogate.sampling.decoding import ROW_BUCKET, make_stepper, round_up
 from grpogate.config import RunConfig
 from grpogate.errors import InputError
-from grpogate.evidence.assemble import prompt_seed
+from grpogate.seeding import prompt_seed
 from grpogate.inputs.tasks import Problem
 
 

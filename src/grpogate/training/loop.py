@@ -38,11 +38,12 @@ from grpogate.distributed import SINGLE, StageClock, World, agree_stop, in_shard
 from grpogate.errors import plain
 from grpogate.evidence import decisions
 from grpogate.evidence.metrics import rollout_summary
-from grpogate.evidence.assemble import rollout_seed, step_summary, update_throughput
+from grpogate.evidence.assemble import step_summary, update_throughput
 from grpogate.files import JsonlLog
 from grpogate.inputs.policy import Policy, current_version, reference_mode, sampling_weights
 from grpogate.inputs.tasks import Problem
 from grpogate.interrupts import StopRequest
+from grpogate.seeding import rollout_seed
 from grpogate.sampling.decoding import make_stepper, shared_prefix_length
 from grpogate.sampling.rollout import (Completion, generate_completions, sampling_settings,
                                        score_completions, score_rewards, trajectory_records)

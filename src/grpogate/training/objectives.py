@@ -208,7 +208,7 @@ def policy_token_terms(logp, old_logp, ref_logp, advantages, mask, *, loss_type:
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The objective's knobs, named as TRL's GRPOConfig names them (config.py documents each)."""
+    """The objective's knobs, named as TRL's GRPOConfig names them (config/schema.py documents each)."""
 
     loss_type: str
     importance_sampling_level: str

@@ -39,7 +39,6 @@ Shapes: N sequences per micro-batch, T completion tokens (right-padded), B group
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
@@ -54,6 +53,8 @@ from grpogate.training.advantages import UpdateBatch
 from grpogate.training.batching import (ForwardShape, micro_batches, pack_rows, padded_rows,
                                         rows_per_prompt, step_plan)
 from grpogate.training.logprobs import PackedGroups, PackedRow, micro_batch_logprobs
+from grpogate.training.rollback import (TrainingSnapshot, first_line, is_out_of_memory,
+                                       release_cached_memory)
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -66,7 +67,7 @@ class UpdateFailed(RuntimeError):
 
 @dataclass
 class UpdateSettings:
-    """The update's knobs (config.py documents each); defaults are RunConfig's."""
+    """The update's knobs (config/schema.py documents each); defaults are RunConfig's."""
 
     max_grad_norm: float = 1.0
     micro_batch_size: int = 16
@@ -386,44 +387,7 @@ def merge_records(world: World, record: UpdateRecord) -> UpdateRecord:
         same=("update_count", "losses", "grad_norms")))
 
 
-# --- all-or-nothing updates: rollback, and one retry after an out-of-memory ---------------------
-
-
-@dataclass
-class TrainingSnapshot:
-    """CPU copies of the trainable parameters and the optimizer state before a rollout's update."""
-
-    parameters: list[torch.Tensor]
-    optimizer_state: dict
-
-    @classmethod
-    def take(cls, parameters, optimizer) -> "TrainingSnapshot":
-        def to_cpu(value):
-            if isinstance(value, torch.Tensor):
-                return value.detach().to("cpu", copy=True)
-            if isinstance(value, dict):
-                return {key: to_cpu(item) for key, item in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(to_cpu(item) for item in value)
-            return value
-
-        return cls([p.detach().to("cpu", copy=True) for p in parameters],
-                   to_cpu(optimizer.state_dict()))
-
-    def restore(self, parameters, optimizer) -> None:
-        with torch.no_grad():
-            for parameter, saved in zip(parameters, self.parameters):
-                parameter.copy_(saved.to(parameter.device))
-        # load_state_dict keeps CPU tensors as they are; a deep copy keeps the snapshot intact
-        # for a second restore after the retry.
-        optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
-        optimizer.zero_grad(set_to_none=True)
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    out_of_memory = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-    return isinstance(error, out_of_memory) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+# --- all-or-nothing: roll back on any failure, retry once after an out-of-memory -------------
 
 
 def update_with_retry(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, pad_id: int,
@@ -446,10 +410,10 @@ def update_with_retry(model, optimizer, batch: UpdateBatch, settings: UpdateSett
         snapshot.restore(parameters, optimizer)
         if not is_out_of_memory(error):
             raise
-        first = _first_line(error)
+        first = first_line(error)
     if settings.micro_batch_size == 1:
         raise UpdateFailed(f"out of memory during the update at micro_batch_size 1: {first}")
-    _release_cached_memory()
+    release_cached_memory()
     halved = dataclasses.replace(settings, micro_batch_size=settings.micro_batch_size // 2)
     if on_retry is not None:
         on_retry(first, halved.micro_batch_size)
@@ -461,16 +425,6 @@ def update_with_retry(model, optimizer, batch: UpdateBatch, settings: UpdateSett
         if is_out_of_memory(error):
             raise UpdateFailed(
                 f"out of memory during the update at micro_batch_size {settings.micro_batch_size} "
-                f"and again at {halved.micro_batch_size}: {_first_line(error)}; lower "
+                f"and again at {halved.micro_batch_size}: {first_line(error)}; lower "
                 "micro_batch_size or max_new_tokens") from error
         raise
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
-def _release_cached_memory() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

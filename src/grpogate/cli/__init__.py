@@ -1,5 +1,8 @@
 """The command line: parse, call the pipeline, print. No pipeline logic lives here.
 
+`app` is the `grpogate` command (run, decide, sign, report, config show); `eval_commands` adds
+eval / compare, and `terminal` is the output they share (progress bars, the gates table).
+
 Exit codes: 0 the run finished and wrote its decision (whatever it is, unless
 --exit-code-from-decision), 2 bad input (nothing written), 1 an unexpected failure,
 130 / 143 a run stopped by SIGINT / SIGTERM (evidence written with status `interrupted`).
@@ -14,11 +17,12 @@ from typing import Optional
 
 import typer
 
-from grpogate import api, cli_eval, cli_gate
+from grpogate import api
+from grpogate.cli import eval_commands, gate_commands, run_options as options
+from grpogate.cli.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
+                                   gates_table, progress_bars, quiet_libraries)
 from grpogate.config import load_config
 from grpogate.errors import InputError, command, plain
-from grpogate.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
-                               gates_table, progress_bars, quiet_libraries)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="Auditable GRPO runs that end in an accept / tune / reject decision.")
@@ -67,56 +71,30 @@ def main(
 
 @app.command()
 def run(
-    profile: Optional[str] = typer.Option(None, metavar="NAME", help="Packaged profile: default, "
-                                          "smoke, gsm8k_qwen05b (default: default)."),
-    config_file: str = typer.Option("", "--config", metavar="FILE",
-                                    help="TOML file applied on top of the profile."),
-    gates_file: str = typer.Option("", "--gates", metavar="FILE", help="TOML or JSON file with "
-                                   "one \\[gates] table, applied on top of --config."),
-    overrides: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help="Override any "
-                                        "config key, e.g. task.params.max_digits=3 (grpogate "
-                                        "config show lists them)."),
-    out: Optional[str] = typer.Option(None, metavar="DIR", help="Run directory (must not exist)."),
-    label: Optional[str] = typer.Option(None, metavar="LABEL",
-                                        help="Run label: outputs go to runs/LABEL."),
-    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Base model: bundled id, HF "
-                                        "model directory, .gguf file or HF id."),
-    adapter: Optional[str] = typer.Option(None, metavar="DIR", help="Baseline LoRA adapter "
-                                          "directory (PEFT, safetensors) to start from."),
-    task: Optional[str] = typer.Option(None, metavar="SOURCE:NAME", help=cli_eval.TASK_HELP),
-    steps: Optional[int] = typer.Option(None, metavar="N", help="Training steps (sets "
-                                        "train_prompts = N x prompts_per_step)."),
-    group_size: Optional[int] = typer.Option(None, metavar="G",
-                                             help="Completions sampled per prompt."),
-    learning_rate: Optional[float] = typer.Option(None, "--lr", metavar="LR",
-                                                  help="AdamW learning rate of the LoRA weights."),
-    max_new_tokens: Optional[int] = typer.Option(None, metavar="N",
-                                                 help="Completion token budget."),
-    baseline_manifest: Optional[str] = typer.Option(
-        None, metavar="FILE", help="An accepted run's manifest.json to start from."),
-    seed: Optional[int] = typer.Option(None, metavar="N", help="Run seed."),
-    device: Optional[str] = typer.Option(None, metavar="auto|cpu|cuda", help="Device."),
-    dtype: Optional[str] = typer.Option(None, metavar="float32|bfloat16|auto",
-                                        help="Base weights dtype."),
-    report_to: Optional[str] = typer.Option(
-        None, "--report-to", metavar="NAMES", help="Also log per-step scalars, the decision and "
-        "gains to trackers: tensorboard, mlflow, wandb, trackio (comma-separated)."),
-    tensorboard: Optional[str] = typer.Option(
-        None, "--tensorboard", metavar="DIR",
-        help="Write the TensorBoard event files into DIR (implies --report-to tensorboard)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Check config, inputs and environment only."),
-    resume: Optional[str] = typer.Option(
-        None, "--resume", metavar="RUN_DIR", help="Continue the run in this directory from its "
-        "last checkpoint, with its stored config (other options may only repeat it)."),
-    exit_code_from_decision: bool = typer.Option(
-        False, "--exit-code-from-decision", help="Exit 0 on accept, 3 on tune, 4 on reject."),
-    nproc: Optional[int] = typer.Option(
-        None, "--nproc", metavar="N", min=1, help="Launch the run on N processes on this "
-        "machine under torch's elastic agent (as torchrun --standalone --nproc_per_node N -m "
-        "grpogate run ...); a worker that dies is one error line, its traceback in a log file."),
-    max_restarts: int = typer.Option(
-        0, "--max-restarts", metavar="K", min=0, help="With --nproc: torchrun restarts a failed "
-        "worker group up to K times; the restarted group resumes from the last checkpoint."),
+    profile: Optional[str] = options.PROFILE,
+    config_file: str = options.CONFIG_FILE,
+    gates_file: str = options.GATES_FILE,
+    overrides: list[str] = options.OVERRIDES,
+    out: Optional[str] = options.OUT,
+    label: Optional[str] = options.LABEL,
+    model: Optional[str] = options.MODEL,
+    adapter: Optional[str] = options.ADAPTER,
+    task: Optional[str] = options.TASK,
+    steps: Optional[int] = options.STEPS,
+    group_size: Optional[int] = options.GROUP_SIZE,
+    learning_rate: Optional[float] = options.LEARNING_RATE,
+    max_new_tokens: Optional[int] = options.MAX_NEW_TOKENS,
+    baseline_manifest: Optional[str] = options.BASELINE_MANIFEST,
+    seed: Optional[int] = options.SEED,
+    device: Optional[str] = options.DEVICE,
+    dtype: Optional[str] = options.DTYPE,
+    report_to: Optional[str] = options.REPORT_TO,
+    tensorboard: Optional[str] = options.TENSORBOARD,
+    dry_run: bool = options.DRY_RUN,
+    resume: Optional[str] = options.RESUME,
+    exit_code_from_decision: bool = options.EXIT_CODE_FROM_DECISION,
+    nproc: Optional[int] = options.NPROC,
+    max_restarts: int = options.MAX_RESTARTS,
 ) -> None:
     """Run admission, rollout, GRPO update, independent re-test and delivery."""
     if nproc is not None:
@@ -140,11 +118,11 @@ def run(
 
 def _launch_torchrun(nproc: int, max_restarts: int, run_dir, label, profile, config_file,
                      overrides) -> int:
-    """`grpogate run --nproc N ...` -> the elastic agent (launch.py) with the same arguments,
+    """`grpogate run --nproc N ...` -> the elastic agent (cli/launch.py) with the same arguments,
     less these two."""
     import sys
 
-    from grpogate.launch import expected_run_dir, launch
+    from grpogate.cli.launch import expected_run_dir, launch
 
     run_dir = run_dir or expected_run_dir(label, profile or "default", config_file, overrides)
     return launch(nproc, max_restarts, torchrun_arguments(sys.argv[1:]), run_dir,
@@ -166,10 +144,10 @@ def torchrun_arguments(argv: list[str]) -> list[str]:
 
 def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resume,
          exit_code_from_decision, world, named: dict) -> None:
-    from grpogate import pipeline
+    from grpogate import admission, pipeline
     from grpogate.interrupts import RunInterrupted, exit_code
     from grpogate.pipeline import NullReporter
-    from grpogate.standalone_eval import parse_tasks_spec
+    from grpogate.review.standalone_eval import parse_tasks_spec
 
     config = None
     task = named.pop("task")
@@ -182,7 +160,7 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
             config = load_config(profile or "default", config_file, overrides,
                                  gates_file=gates_file, out=out, label=label, **named)
         if dry_run:
-            report = pipeline.dry_run(config)
+            report = admission.dry_run(config)
             console.print_json(json.dumps(report))
             console.print("[green]dry run passed:[/] configuration, inputs and environment are usable")
             return
@@ -319,11 +297,11 @@ def decide(
         audit = audit_any(run_dir, trusted_rewards=trust_reward_code, max_rescore=max_rescore,
                           announce=lambda line: typer.echo(f"decide: {line}", err=True))
         if replay:
-            from grpogate.replay import apply_replay, replay_retest
+            from grpogate.review.replay import apply_replay, replay_retest
 
             audit = apply_replay(audit, replay_retest(run_dir, replay))
         if verify_key:
-            from grpogate.signing import verify_run
+            from grpogate.review.signing import verify_run
 
             problem = verify_run(run_dir, verify_key)
             audit["signature"] = {"key": verify_key, "verified": problem is None}
@@ -380,7 +358,7 @@ def _print_audit_lines(audit: dict, verify_key) -> None:
         console.print(rescoring_line(audit["rescoring"]), soft_wrap=True, markup=False,
                       highlight=False)
     if "replay" in audit:
-        from grpogate.replay import replay_summary
+        from grpogate.review.replay import replay_summary
 
         console.print(plain(replay_summary(audit["replay"])), soft_wrap=True)
     for mismatch in audit["mismatches"][:50]:
@@ -394,9 +372,9 @@ def _short(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-app.command("eval")(cli_eval.eval_policy)
-app.command()(cli_eval.compare)
-app.command("gate")(cli_gate.gate_command(_print_run_result))
+app.command("eval")(eval_commands.eval_policy)
+app.command()(eval_commands.compare)
+app.command("gate")(gate_commands.gate_command(_print_run_result))
 
 
 @app.command()
@@ -405,7 +383,7 @@ def sign(
     key: str = typer.Option(..., "--key", metavar="PRIVATE", help="PEM elliptic-curve private key."),
 ) -> None:
     """Sign every file of a finished run (RUN_DIR/run.sig, OpenSSF model-signing, local key)."""
-    from grpogate.signing import sign_run
+    from grpogate.review.signing import sign_run
 
     try:
         path = sign_run(run_dir, key)
@@ -443,7 +421,7 @@ def config_show(
     as_json: bool = typer.Option(False, "--json", help="Print the resolved config as JSON."),
 ) -> None:
     """Every configuration key: its value in the profile, its type and what it means."""
-    from grpogate.config_keys import describe_config
+    from grpogate.config.keys import describe_config
 
     try:
         config = load_config(profile, config_file, overrides)
@@ -480,7 +458,3 @@ def _toml_literal(value) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
     return json.dumps(value) if isinstance(value, str) else repr(value)
-
-
-if __name__ == "__main__":
-    app()

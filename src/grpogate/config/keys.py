@@ -1,14 +1,14 @@
 """What each configuration key means: `grpogate config show` prints these lines.
 
-Kept beside config.py rather than in it so the typed configuration stays short to read; the
-key names are config.py's own (flattened with dots: task.name, gates.minimum_reward_gain).
+Kept beside the schema rather than in it so the typed configuration stays short to read; the
+key names are the schema's own (flattened with dots: task.name, gates.minimum_reward_gain).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from grpogate.config import RunConfig, flatten
+from grpogate.config.schema import RunConfig, flatten
 
 # One line per key: the only place a key's meaning is written for users (`config show` prints
 # it; tests/test_cli_help.py holds every field of RunConfig to having one, so a new key
