@@ -129,6 +129,19 @@ class UpdateRecord:
     mismatch_abs_max: float = 0.0
     mismatch_k3_sum: float = 0.0
 
+    def add_micro_batch(self, sequences: int, metrics: objectives.LossMetrics) -> None:
+        """Count one back-propagated micro-batch of the current pass."""
+        self.sequences += sequences
+        self.masked_sequences += metrics.masked_sequences
+        self.tokens += metrics.tokens
+        self.trained_tokens += metrics.trained_tokens
+        self.kl_sum += metrics.kl_sum
+        self.clipped_tokens += metrics.clipped_tokens
+        self.pass_tokens[-1] += metrics.tokens
+        self.pass_clipped[-1] += metrics.clipped_tokens
+        self.pass_max_abs_log_ratio[-1] = max(self.pass_max_abs_log_ratio[-1],
+                                              metrics.max_abs_log_ratio)
+
     def summary(self) -> dict:
         def mean(total: float, count: int):
             return total / count if count else None
@@ -289,16 +302,7 @@ def _backward_micro_batch(step: _Step, micro: list[int], denominator: objectives
     if not torch.isfinite(loss):
         raise NonFiniteUpdate(f"non-finite loss {loss.item()} at update {record.update_count}")
     loss.backward()
-    record.trained_tokens += metrics.trained_tokens
-    record.kl_sum += metrics.kl_sum
-    record.clipped_tokens += metrics.clipped_tokens
-    record.tokens += metrics.tokens
-    record.pass_clipped[-1] += metrics.clipped_tokens
-    record.pass_tokens[-1] += metrics.tokens
-    record.pass_max_abs_log_ratio[-1] = max(record.pass_max_abs_log_ratio[-1],
-                                            metrics.max_abs_log_ratio)
-    record.sequences += len(micro)
-    record.masked_sequences += metrics.masked_sequences
+    record.add_micro_batch(len(micro), metrics)
     return loss.item()
 
 
