@@ -49,7 +49,8 @@ def eval_policy(
     """Evaluate one policy alone: per-prompt records plus reduced metrics, for `grpogate compare`."""
     from grpogate.seeding import eval_seed
     from grpogate.files import atomic_write_json
-    from grpogate.review.standalone_eval import evaluate_standalone, parse_policy_spec, parse_tasks_spec
+    from grpogate.review.standalone_eval import (evaluate_standalone, parse_policy_spec,
+                                                 parse_tasks_spec)
 
     try:
         if Path(out).exists():
