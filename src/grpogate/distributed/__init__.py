@@ -187,8 +187,8 @@ def init_world() -> World:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, **_attempt_store(restart_count, world_size))
-    return World(dist.get_rank(), dist.get_world_size(), local_rank, backend, restart_count,
-                 job_id)
+    return World(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                 backend=backend, restart_count=restart_count, job_id=job_id)
 
 
 def _attempt_store(restart_count: int, world_size: int) -> dict:

@@ -221,9 +221,10 @@ def lean_decoder(model, pack: bool = True) -> LeanDecoder | None:
             qkv, qkv_bias = _fuse([q, k, v])
             gate_up, gate_up_bias = _fuse([gate, up])
             layers.append(LayerWeights(
-                block.input_layernorm.weight, matrix(qkv), qkv_bias, matrix(o[0]), o[1],
-                block.post_attention_layernorm.weight, matrix(gate_up), gate_up_bias,
-                matrix(down[0]), down[1]))
+                input_norm=block.input_layernorm.weight, qkv=matrix(qkv), qkv_bias=qkv_bias,
+                o=matrix(o[0]), o_bias=o[1], post_norm=block.post_attention_layernorm.weight,
+                gate_up=matrix(gate_up), gate_up_bias=gate_up_bias, down=matrix(down[0]),
+                down_bias=down[1]))
         lm_head = matrix(head[0])
     heads = config.num_attention_heads
     return LeanDecoder(
