@@ -167,7 +167,7 @@ def ideal_seconds(linear_shapes, micro_batches: list[tuple[int, int]], passes: i
     gradient), `passes` - 1 forwards and one input gradient. Best round counts."""
     import torch
 
-    from grpogate.sampling.decoding import bf16_kernels_available, linear
+    from grpogate.sampling.lean_weights import bf16_kernels_available, linear
 
     dtypes = [torch.float32] + ([torch.bfloat16] if bf16_kernels_available() else [])
     generator = torch.Generator().manual_seed(0)

@@ -18,7 +18,7 @@ from typing import Optional
 import typer
 
 from grpogate import api
-from grpogate.cli import eval_commands, gate_commands, run_options as options
+from grpogate.cli import eval_commands, gate_commands, options
 from grpogate.cli.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
                                    gates_table, progress_bars, quiet_libraries)
 from grpogate.config import load_config
@@ -262,26 +262,12 @@ def _resume_config(run_dir: str, out, label, dry_run: bool, profile, config_file
 
 @app.command()
 def decide(
-    run_dir: str = typer.Argument(..., metavar="RUN_DIR",
-                                  help="A finished run directory (evidence.json, manifest.json)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the full audit as JSON."),
-    replay: int = typer.Option(0, "--replay", metavar="N", min=0,
-                               help="Also regenerate the re-test completions of the first N eval "
-                               "prompts (both policies) from the delivered artifacts and require "
-                               "them to equal the stored ones (loads the model)."),
-    verify_key: Optional[str] = typer.Option(
-        None, "--verify-key", metavar="PUB",
-        help="Also verify RUN_DIR/run.sig (grpogate sign) with this PEM public key."),
-    trust_reward_code: list[str] = typer.Option(
-        [], "--trust-reward-code", metavar="MODULE:FUNCTION",
-        help="Re-score this user reward by importing and running it (it must be importable "
-        "here, outside RUN_DIR, and its source must hash to the version the run recorded). "
-        "Without it a user reward's values are taken as recorded: decide never runs code a run "
-        "directory names. Repeat for several."),
-    max_rescore: Optional[int] = typer.Option(
-        None, "--max-rescore", metavar="N", min=0,
-        help="Re-run the verifier (and trusted reward code) on a random sample of N records "
-        "only; the others' values are taken as recorded (the seed is printed)."),
+    run_dir: str = options.RUN_DIR,
+    as_json: bool = options.AS_JSON,
+    replay: int = options.REPLAY,
+    verify_key: Optional[str] = options.VERIFY_KEY,
+    trust_reward_code: list[str] = options.TRUST_REWARD_CODE,
+    max_rescore: Optional[int] = options.MAX_RESCORE,
 ) -> None:
     """Re-check a finished run from its files alone and print the decision.
 

@@ -1,5 +1,5 @@
-"""The options of `grpogate run`, declared here so that the command (cli/__init__.py) reads as
-its list of options; typer takes each from the command's signature."""
+"""The options of `grpogate run` and `grpogate decide`, declared here so that each command
+(cli/__init__.py) reads as its list of options; typer takes each from the command's signature."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import typer
 
 from grpogate.cli.eval_commands import TASK_HELP
 
-# Where the configuration comes from and where the run goes.
+# grpogate run: where the configuration comes from and where the run goes.
 PROFILE = typer.Option(None, metavar="NAME",
                        help="Packaged profile: default, smoke, gsm8k_qwen05b (default: default).")
 CONFIG_FILE = typer.Option("", "--config", metavar="FILE",
@@ -59,3 +59,25 @@ NPROC = typer.Option(None, "--nproc", metavar="N", min=1,
 MAX_RESTARTS = typer.Option(0, "--max-restarts", metavar="K", min=0,
                             help="With --nproc: torchrun restarts a failed worker group up to K "
                             "times; the restarted group resumes from the last checkpoint.")
+
+# grpogate decide
+RUN_DIR = typer.Argument(..., metavar="RUN_DIR",
+                         help="A finished run directory (evidence.json, manifest.json).")
+AS_JSON = typer.Option(False, "--json", help="Print the full audit as JSON.")
+REPLAY = typer.Option(0, "--replay", metavar="N", min=0,
+                      help="Also regenerate the re-test completions of the first N eval prompts "
+                      "(both policies) from the delivered artifacts and require them to equal the "
+                      "stored ones (loads the model).")
+VERIFY_KEY = typer.Option(None, "--verify-key", metavar="PUB",
+                          help="Also verify RUN_DIR/run.sig (grpogate sign) with this PEM public "
+                          "key.")
+TRUST_REWARD_CODE = typer.Option(
+    [], "--trust-reward-code", metavar="MODULE:FUNCTION",
+    help="Re-score this user reward by importing and running it (it must be importable here, "
+    "outside RUN_DIR, and its source must hash to the version the run recorded). Without it a "
+    "user reward's values are taken as recorded: decide never runs code a run directory names. "
+    "Repeat for several.")
+MAX_RESCORE = typer.Option(None, "--max-rescore", metavar="N", min=0,
+                           help="Re-run the verifier (and trusted reward code) on a random sample "
+                           "of N records only; the others' values are taken as recorded (the "
+                           "seed is printed).")
