@@ -98,6 +98,25 @@ def largest_kl(evidence: dict) -> dict:
     return {"value": worst["mean_kl"], "step": worst["step"]}
 
 
+def retest_drift(evidence: dict) -> dict | None:
+    """The re-test's KL to the baseline and entropies (None: a run recorded before them)."""
+    drift = (evidence.get("comparison") or {}).get("drift")
+    if not isinstance(drift, dict):
+        return None
+    return {"kl_to_baseline": drift.get("kl_to_baseline"), "entropy": drift.get("entropy")}
+
+
+def guard_summary(evidence: dict) -> dict | None:
+    """The guard set's means and paired reward gain (None: no guard recorded, or off)."""
+    guard = evidence.get("guard")
+    if not isinstance(guard, dict) or not guard.get("enabled") or guard.get("skipped"):
+        return None
+    return {"task": guard["task"], "prompts": guard["prompts"],
+            "baseline": guard["baseline"]["mean_reward"],
+            "candidate": guard["candidate"]["mean_reward"], "gain": guard["reward_mean_gain"],
+            **_interval(guard["paired"], "reward_mean_gain")}
+
+
 def record_row(name: str, settings: dict, evidence: dict, wall_seconds: float) -> dict:
     """What the search keeps of one finished run: the evidence's own numbers, nothing recomputed."""
     comparison, paired = evidence["comparison"], evidence["comparison"].get("paired") or {}
@@ -130,6 +149,8 @@ def record_row(name: str, settings: dict, evidence: dict, wall_seconds: float) -
         "truncation": {"train": evidence["rollout"]["max_length_hit_ratio"],
                        "eval_baseline": baseline["max_length_hit_ratio"],
                        "eval_candidate": candidate["max_length_hit_ratio"]},
+        "retest_drift": retest_drift(evidence),
+        "guard": guard_summary(evidence),
         "valid_group_ratio": evidence["rollout"]["valid_group_ratio"],
         "update_count": evidence["update"]["update_count"],
         "timings": {key: round(value, 1) for key, value in (evidence.get("timings") or {}).items()
@@ -249,7 +270,18 @@ def summary_line(row: dict) -> str:
             f"[{reward['low']:+.3f}, {reward['high']:+.3f}]), pass@group {passed['gain']:+.3f} "
             f"[{passed['low']:+.3f}, {passed['high']:+.3f}], largest KL "
             f"{'n/a' if kl is None else f'{kl:.4f}'}, train truncation "
-            f"{row['truncation']['train']:.3f}")
+            f"{row['truncation']['train']:.3f}" + _safety_text(row))
+
+
+def _safety_text(row: dict) -> str:
+    text = ""
+    if (row.get("retest_drift") or {}).get("kl_to_baseline") is not None:
+        text += f", re-test KL {row['retest_drift']['kl_to_baseline']:.4f}"
+    guard = row.get("guard")
+    if guard:
+        text += (f", guard {guard['baseline']:.3f} -> {guard['candidate']:.3f} "
+                 f"[{guard['low']:+.3f}, {guard['high']:+.3f}]")
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:

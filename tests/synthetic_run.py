@@ -9,6 +9,15 @@ Layout: GSM8K-format JSONL with 4 train and 2 eval problems; 2 steps of 2 prompt
 re-test with 4 samples per eval prompt. Train reward groups [1,0,0,1] [0,0,0,0] | [1,1,1,1]
 [0,1,0,0] (2 of 4 valid); eval rewards baseline [0,0,0,0] [1,0,0,0], candidate [1,0,1,0]
 [1,1,0,0]. With the default gates the decision is `accept`.
+
+Drift (the same for both eval prompts): samples 0..3 have 6, 7, 8 and 16 tokens; the baseline's
+mean per-token entropy per sample is 0.9, 0.8, 0.7, 0.6, the candidate's 0.5 throughout, and
+the candidate's mean per-token KL to the baseline 0.1, 0.2, 0.3, 0.4. Token-weighted:
+KL = (0.1*6 + 0.2*7 + 0.3*8 + 0.4*16) / 37 = 10.8 / 37 = 0.29189...; baseline entropy
+(0.9*6 + 0.8*7 + 0.7*8 + 0.6*16) / 37 = 26.2 / 37 = 0.70810...; candidate entropy 0.5.
+
+Guard: off unless `guard_rewards` gives both policies' rewards per guard prompt (products,
+two one-digit factors, the default guard task; "Answer: <n>" completions, rewards 1 or 0).
 """
 
 from __future__ import annotations
@@ -21,11 +30,11 @@ from pathlib import Path
 
 from grpogate.evidence.assemble import assemble_evidence, step_summary, update_throughput
 from grpogate.evidence.manifest import build_manifest
-from grpogate.config import Gates, RunConfig, TaskConfig, validate
+from grpogate.config import Gates, GuardConfig, RunConfig, TaskConfig, validate
 from grpogate.files import (atomic_write_bytes, atomic_write_json, jsonl_bytes, policy_version,
                             safetensors_sha256)
 from grpogate.inputs.rewards import reward_set_from_config
-from grpogate.inputs.tasks import problem_records
+from grpogate.inputs.tasks import load_guard_set, load_problem_sets, problem_records
 from grpogate.inputs.verifiers import get_verifier
 
 TRAIN_QUESTIONS = [("Ann has 3 apples and buys 4 more. How many?", 7),
@@ -38,6 +47,15 @@ TRAIN_REWARDS = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0]]
 EVAL_REWARDS = {"baseline": [[0, 0, 0, 0], [1, 0, 0, 0]],
                 "candidate": [[1, 0, 1, 0], [1, 1, 0, 0]]}
 MAX_NEW_TOKENS = 16
+BASELINE_ENTROPY = [0.9, 0.8, 0.7, 0.6]
+CANDIDATE_ENTROPY = [0.5, 0.5, 0.5, 0.5]
+CANDIDATE_KL = [0.1, 0.2, 0.3, 0.4]
+
+
+def _drift(name: str, sample: int) -> dict:
+    if name == "baseline":
+        return {"entropy": BASELINE_ENTROPY[sample]}
+    return {"entropy": CANDIDATE_ENTROPY[sample], "kl_to_baseline": CANDIDATE_KL[sample]}
 
 
 def _version(name: str) -> str:
@@ -73,10 +91,29 @@ def _completion(answer: int, correct: int, sample: int) -> tuple[str, int, bool]
     return text, MAX_NEW_TOKENS if hit else 6 + sample, hit
 
 
-def write_synthetic_run(root: Path, **gates) -> Path:
-    """Write data and a finished run under `root`; returns the run directory."""
-    from grpogate.admission import load_problem_sets
+def _guard_records(guard_set, guard_rewards: dict, versions: dict, verifier, seed: int) -> list:
+    """Both policies' guard completions: "Answer: <reference>" when the reward is 1, else
+    the reference + 1 (which the products scorer gives 0)."""
+    records = []
+    for name, version in versions.items():
+        for problem, rewards in zip(guard_set, guard_rewards[name]):
+            for sample, correct in enumerate(rewards):
+                text = f"Answer: {int(problem.reference) + (0 if correct else 1)}"
+                records.append({
+                    "policy": name, "policy_version": version, "prompt_id": problem.prompt_id,
+                    "sample_index": sample,
+                    "trace_id": _version(f"guard-{name}|{problem.prompt_id}|{sample}")[:24],
+                    "seed": seed, "verifier_version": verifier.version, "completion": text,
+                    "completion_tokens": 4, "hit_max_length": False,
+                    "reward": verifier.score(text, problem.reference)})
+    return records
 
+
+
+
+def write_synthetic_run(root: Path, guard_rewards: dict | None = None, **gates) -> Path:
+    """Write data and a finished run under `root`; returns the run directory. `guard_rewards`:
+    {"baseline": [[r, ...] per guard prompt], "candidate": [...]} turns the guard on."""
     data = root / "data"
     data.mkdir(parents=True)
     _write_jsonl(data / "train.jsonl", TRAIN_QUESTIONS)
@@ -86,8 +123,12 @@ def write_synthetic_run(root: Path, **gates) -> Path:
         out=str(run_dir), label="synthetic", profile="synthetic",
         task=TaskConfig(source="gsm8k", path=str(data)), train_prompts=4, eval_prompts=2,
         prompts_per_step=2, group_size=4, eval_group_size=4, max_new_tokens=MAX_NEW_TOKENS,
-        gates=dataclasses.replace(Gates(), **gates)))
-    train, train_id, eval_set, eval_id = load_problem_sets(config)
+        gates=dataclasses.replace(Gates(), **gates),
+        guard=GuardConfig(prompts=len(guard_rewards["baseline"]) if guard_rewards else 0,
+                          group_size=len(guard_rewards["baseline"][0]) if guard_rewards else 4)))
+    train, train_id, eval_set, eval_id = load_problem_sets(config.task, config.train_prompts,
+                                                           config.eval_prompts)
+    guard_set, guard_id = load_guard_set(config.guard, train, eval_set)
     verifier = get_verifier(config.resolved_verifier())
     reward_set = reward_set_from_config(config.to_dict(), verifier.version, importable=None)
     answers = {q: a for q, a in TRAIN_QUESTIONS + EVAL_QUESTIONS}
@@ -150,7 +191,11 @@ def write_synthetic_run(root: Path, **gates) -> Path:
                     "trace_id": _version(f"eval-{name}|{problem.prompt_id}|{sample}")[:24],
                     "seed": config.seed + 10_000, "verifier_version": verifier.version,
                     "completion": text, "completion_tokens": tokens, "hit_max_length": hit,
-                    "reward": verifier.score(text, problem.reference)})
+                    "reward": verifier.score(text, problem.reference), **_drift(name, sample)})
+    guard_verifier = get_verifier(config.guard.verifier())
+    guard_records = _guard_records(guard_set, guard_rewards, {
+        "baseline": baseline_version, "candidate": candidate_version}, guard_verifier,
+        config.seed + 10_000) if guard_rewards else []
 
     facts = {
         "run_label": "synthetic", "created": "2026-01-01T00:00:00+00:00", "loop_status": "ok",
@@ -163,7 +208,9 @@ def write_synthetic_run(root: Path, **gates) -> Path:
             "baseline_policy_version": baseline_version,
             "verifier": {"name": config.resolved_verifier(), "version": verifier.version},
             "rewards": reward_set.describe(),
-            "train_set": train_id, "eval_set": eval_id},
+            "train_set": train_id, "eval_set": eval_id, "guard_set": guard_id,
+            "guard_verifier": ({"name": config.guard.verifier(), "version": guard_verifier.version}
+                               if guard_rewards else None)},
         "contract": {"admitted": True, "failed_checks": []}, "seconds": seconds,
         "verifier_errors": verifier.error_count, "reward_errors": 0, "retest_verifier_errors": 0,
         "retest_skipped": False, "micro_batch_size": config.micro_batch_size, "oom_retries": 0,
@@ -173,10 +220,13 @@ def write_synthetic_run(root: Path, **gates) -> Path:
                      "source_policy_version": baseline_version,
                      "new_policy_version": candidate_version},
     }
-    evidence = assemble_evidence(facts, config.to_dict(), steps, trajectories, eval_records)
-    atomic_write_bytes(run_dir / "problems.jsonl",
-                       jsonl_bytes(problem_records(config.task, train, eval_set)))
+    evidence = assemble_evidence(facts, config.to_dict(), steps, trajectories, eval_records,
+                                 guard_records)
+    atomic_write_bytes(run_dir / "problems.jsonl", jsonl_bytes(
+        problem_records(config.task, train, eval_set, config.guard, guard_set)))
     atomic_write_bytes(run_dir / "eval_completions.jsonl", jsonl_bytes(eval_records))
+    if guard_records:
+        atomic_write_bytes(run_dir / "guard_completions.jsonl", jsonl_bytes(guard_records))
     atomic_write_json(run_dir / "evidence.json", evidence)
     atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))
     return run_dir

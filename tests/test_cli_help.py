@@ -52,9 +52,15 @@ def test_every_key_has_a_meaning_from_one_place():
 def test_config_show_prints_every_key_as_a_config_file_that_reproduces_the_profile(tmp_path):
     result = invoke("config", "show", "--profile", "smoke", width=200)
     assert result.exit_code == 0, result.output
+    # Each key's line is looked up in its own table: guard.seed is not the run's seed.
+    sections, section = {}, ""
+    for line in result.output.splitlines():
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+        sections.setdefault(section, []).append(line)
     for key, _, type_name, meaning in describe_config(load_config("smoke")):
-        line = next(line for line in result.output.splitlines()
-                    if line.lstrip("# ").startswith(key.rpartition(".")[2] + " = "))
+        table, _, name = key.rpartition(".")
+        line = next(line for line in sections[table] if line.lstrip("# ").startswith(name + " = "))
         assert f"# {type_name}: {meaning}" in line
     path = tmp_path / "shown.toml"
     path.write_text(result.output)

@@ -75,6 +75,22 @@ def test_record_row_reads_the_evidence_numbers(tmp_path):
     assert row["valid_group_ratio"] == 0.5 and row["update_count"] == 2
 
 
+def test_record_row_keeps_the_retest_drift_and_the_guard(tmp_path):
+    """synthetic_run: re-test KL 10.8 / 37, entropies 26.2 / 37 -> 0.5; a guard where every
+    prompt loses 0.5 (0.75 -> 0.25, interval [-0.5, -0.5]: test_guard.py works it out)."""
+    worse = {"baseline": [[1, 1], [1, 0], [1, 1], [1, 0]],
+             "candidate": [[1, 0], [0, 0], [1, 0], [0, 0]]}
+    run_dir = write_synthetic_run(tmp_path, guard_rewards=worse)
+    row = default_search.record_row("c", {}, json.loads((run_dir / "evidence.json").read_text()),
+                                    1.0)
+    assert row["retest_drift"]["kl_to_baseline"] == pytest.approx(10.8 / 37, abs=1e-12)
+    assert row["retest_drift"]["entropy"]["candidate"] == pytest.approx(0.5, abs=1e-12)
+    assert {key: row["guard"][key] for key in ("baseline", "candidate", "gain", "low", "high")} \
+        == {"baseline": 0.75, "candidate": 0.25, "gain": -0.5, "low": -0.5, "high": -0.5}
+    assert "re-test KL 0.2919, guard 0.750 -> 0.250 [-0.500, -0.500]" in \
+        default_search.summary_line(row)
+
+
 def test_largest_kl_is_not_measured_without_a_reference():
     evidence = {"config": {"beta": 0.0}, "steps": [{"step": 0, "mean_kl": 0.0}]}
     assert default_search.largest_kl(evidence)["value"] is None
@@ -110,7 +126,7 @@ def test_search_runs_each_candidate_on_the_development_set(tiny_model_dir, tmp_p
     assert good["eval"]["seed"] == 1_000_000
     assert good["settings"] == {"learning_rate": 1e-4} and good["steps"] == 2
     assert good["dev_vs_default_eval"]["shared_prompts"] == 0
-    assert good["dev_vs_default_eval"]["default_eval_prompts"] == 48
+    assert good["dev_vs_default_eval"]["default_eval_prompts"] == load_config().eval_prompts
     assert "--set" in good["command"] and "task.eval_seed=1000000" in good["command"]
     stored = [json.loads(line) for line in
               (Path(good["run_dir"]) / "problems.jsonl").read_text().splitlines()]

@@ -59,11 +59,14 @@ def test_problems_file_holds_every_problem_and_is_pinned(run_dir):
     evidence = json.loads((run_dir / "evidence.json").read_text())
     config = evidence["config"]
     assert [p["split"] for p in problems] == (["train"] * config["train_prompts"]
-                                              + ["eval"] * config["eval_prompts"])
+                                              + ["eval"] * config["eval_prompts"]
+                                              + ["guard"] * config["guard"]["prompts"])
+    guard = config["guard"]
     for problem in problems:
         assert problem["prompt_id"] == prompt_id(problem["question"])
-        assert problem["task"] == {"source": "reasoning-gym", "name": "chain_sum",
-                                   "params": config["task"]["params"]}
+        name, params = (("chain_sum", config["task"]["params"]) if problem["split"] != "guard"
+                        else (guard["task"], guard["params"]))
+        assert problem["task"] == {"source": "reasoning-gym", "name": name, "params": params}
         assert problem["reference"]  # chain_sum's answer, e.g. "57"
     trained = {r["prompt_id"] for r in read_jsonl(run_dir / "trajectories.jsonl")}
     assert trained == {p["prompt_id"] for p in problems if p["split"] == "train"}

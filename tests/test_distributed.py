@@ -106,6 +106,8 @@ def test_two_processes_reproduce_the_one_process_run(runs):
     assert (two / "trajectories.jsonl").read_bytes() == (one / "trajectories.jsonl").read_bytes()
     assert ((two / "eval_completions.jsonl").read_bytes()
             == (one / "eval_completions.jsonl").read_bytes())
+    assert ((two / "guard_completions.jsonl").read_bytes()
+            == (one / "guard_completions.jsonl").read_bytes())
     from safetensors.torch import load_file
 
     adapters = [load_file(run / "adapter" / "adapter_model.safetensors") for run in (one, two)]
@@ -149,8 +151,10 @@ def test_only_rank_zero_wrote_and_the_audit_rebuilds_the_evidence(runs):
     evidence = json.loads((two / "evidence.json").read_text())
     rebuilt = assemble_evidence(recorded_facts(evidence), evidence["config"], evidence["steps"],
                                 read_jsonl(two / "trajectories.jsonl"),
-                                read_jsonl(two / "eval_completions.jsonl"))
+                                read_jsonl(two / "eval_completions.jsonl"),
+                                read_jsonl(two / "guard_completions.jsonl"))
     assert rebuilt["distributed"] == evidence["distributed"]
+    assert rebuilt["guard"] == evidence["guard"]
     assert rebuilt["decision"] == evidence["decision"]
 
 

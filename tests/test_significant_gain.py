@@ -32,7 +32,9 @@ def evidence(reward_low=-0.05, pass_low=-0.25, paired=True):
         "update": {"update_count": 2, "update_seconds": 2.0},
         "comparison": {"reward_mean_gain": 0.1, "pass_at_group_gain": 0.1,
                        "baseline": {"max_length_hit_ratio": 0.02},
-                       "candidate": {"max_length_hit_ratio": 0.08}},
+                       "candidate": {"max_length_hit_ratio": 0.08},
+                       "drift": {"kl_to_baseline": 0.1}},
+        "guard": {"enabled": False},  # the guard and KL gates pass: these tests are the gains'
         "resources": {"peak_allocated_bytes": 8000},
         "artifact": {"path": "adapter", "sha256": SHA, "source_policy_version": "p0"}}
     if paired:

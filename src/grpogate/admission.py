@@ -14,7 +14,7 @@ with the same message.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Collection
@@ -53,6 +53,10 @@ class Admission:
     train_identity: dict
     eval_identity: dict
     baseline_version: str = ""  # what --baseline-manifest claims; the loaded policy must match
+    # The re-test's guard set (config [guard]; empty when off), its identity and own verifier.
+    guard: list[Problem] = field(default_factory=list)
+    guard_identity: dict = field(default_factory=lambda: {"enabled": False})
+    guard_verifier: object = None
 
 
 def run_dir_for(config: RunConfig) -> Path:
@@ -109,10 +113,25 @@ def admit(config: RunConfig, resume_dir: Path | None = None,
                                             importable=reward_code)
     except ValueError as error:
         raise InputError(f"config: rewards: {error}") from None
+    guard, guard_id, guard_verifier = guard_set(config, train, eval_set)
     return Admission(config=config, run_dir=run_dir, model_spec=model_spec, model_revision=revision,
                      adapter=adapter, verifier=verifier, reward_set=reward_set, train=train,
                      eval=eval_set, train_identity=train_id, eval_identity=eval_id,
-                     baseline_version=baseline_version)
+                     baseline_version=baseline_version, guard=guard, guard_identity=guard_id,
+                     guard_verifier=guard_verifier)
+
+
+def guard_set(config: RunConfig, train: list[Problem], eval_set: list[Problem]):
+    """The re-test's guard problems (disjoint from train and eval), their identity and their
+    own verifier (None when the guard is off)."""
+    guard, guard_id = tasks.load_guard_set(config.guard, train, eval_set)
+    guard_verifier = None
+    if config.guard.enabled:
+        try:
+            guard_verifier = get_verifier(config.guard.verifier())
+        except ValueError as error:
+            raise InputError(f"guard: {error}") from None
+    return guard, guard_id, guard_verifier
 
 
 def refuse_unnamed_reward_code(config: RunConfig, reward_code: Collection[str],
@@ -140,7 +159,8 @@ def dry_run(config: RunConfig) -> dict:
     return {"run_dir": str(admission.run_dir), "model": base, "adapter": admission.adapter or None,
             "memory_estimate_bytes": estimate, "verifier": admission.verifier.version,
             "rewards": admission.reward_set.describe(), "train_prompts": len(admission.train),
-            "eval_prompts": len(admission.eval), "steps": config.steps,
+            "eval_prompts": len(admission.eval), "guard_prompts": len(admission.guard),
+            "steps": config.steps,
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "libraries": library_versions()}
 

@@ -1,4 +1,5 @@
-"""The gate schema: the seven thresholds and the switch a decision reads, and their validation.
+"""The gate schema: the seven thresholds, the optional ones and the switch a decision reads, and
+their validation.
 
 Pure Python, below every wing. `Gates` lists every gate once, with its default and why; the
 configuration's gates table is a `Gates`, and the decisions read the names derived from it.
@@ -31,6 +32,18 @@ class Gates:
     # re-test resolves; false reads the point estimate (the reference profile's published
     # gates, gsm8k_qwen05b.toml).
     require_significant_gain: bool = True
+    # Optional gates: absent from an older gates table (and an older run's evidence), off, so
+    # those keep their decision. Both are >= 0.
+    # The candidate's mean per-token KL to the baseline on the re-test's fresh completions;
+    # 0 = off (the KL is still recorded). 1.0 nats per token is about 1.5 times the largest
+    # re-test KL of any searched setting that reached the default's gain on the development set
+    # (0.20 to 0.65; 48 steps at lr 2e-4, beta 0.04, the largest; docs/measurements.md): it
+    # tunes a run that drifts further than any of them needed.
+    maximum_retest_kl: float = 1.0
+    # The guard set may lose at most this much mean reward, read as the gain rule reads the
+    # gains: the guard gain's 95 % interval UPPER bound (significant) or the point estimate,
+    # below -maximum_guard_reward_loss; 0 = any significant loss.
+    maximum_guard_reward_loss: float = 0.0
 
 
 # Switches rather than thresholds: bools, optional in a gates table and off when absent, so a
@@ -38,7 +51,9 @@ class Gates:
 # functions. (A run's config always records the switch: the default profile sets it true, and a
 # --gates file that omits it keeps the profile's value.)
 SWITCH_GATE_NAMES = tuple(f.name for f in dataclasses.fields(Gates) if f.type in (bool, "bool"))
-GATE_NAMES = tuple(f.name for f in dataclasses.fields(Gates) if f.name not in SWITCH_GATE_NAMES)
+OPTIONAL_GATE_NAMES = ("maximum_retest_kl", "maximum_guard_reward_loss")
+GATE_NAMES = tuple(f.name for f in dataclasses.fields(Gates)
+                   if f.name not in SWITCH_GATE_NAMES + OPTIONAL_GATE_NAMES)
 # A user may accept a small quality loss (e.g. -0.02); every other gate is a count, a ratio,
 # a rate or a size, for which a negative bound is a mistake.
 _SIGNED_GATES = frozenset({"minimum_reward_gain", "minimum_pass_at_group_gain"})
@@ -56,22 +71,23 @@ def finite_number(value: Any) -> int | float | None:
 
 
 def validate_gates(gates: Any) -> dict[str, float | bool]:
-    """The seven gates as floats, plus any switch gate given (a bool); InputError for an
+    """The seven gates as floats, plus any optional gate and switch given (a float, a bool);
+    InputError for an
     unknown, missing, non-number, non-finite or (except the two gain gates) negative value,
     or a switch that is not true/false."""
     if not isinstance(gates, dict):
         raise InputError(f"gates must be a table of {len(GATE_NAMES)} numbers, got "
                          f"{type(gates).__name__}")
-    known = ", ".join(GATE_NAMES + SWITCH_GATE_NAMES)
+    known = ", ".join(GATE_NAMES + OPTIONAL_GATE_NAMES + SWITCH_GATE_NAMES)
     for name in gates:
-        if name not in GATE_NAMES + SWITCH_GATE_NAMES:
+        if name not in GATE_NAMES + OPTIONAL_GATE_NAMES + SWITCH_GATE_NAMES:
             raise InputError(f"unknown gate {name!r}; known gates: {known}")
     missing = [name for name in GATE_NAMES if name not in gates]
     if missing:
         raise InputError(f"missing gate(s): {', '.join(missing)}; all of these are required: "
                          f"{', '.join(GATE_NAMES)}")
     validated = {}
-    for name in GATE_NAMES:
+    for name in GATE_NAMES + tuple(n for n in OPTIONAL_GATE_NAMES if n in gates):
         value = gates[name]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InputError(f"gate {name!r} must be a number, got {value!r}")

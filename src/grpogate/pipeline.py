@@ -26,10 +26,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import resource
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Collection
@@ -38,25 +37,22 @@ import torch
 
 from grpogate.admission import Admission, admit, check_budget, run_dir_for
 from grpogate.config import RunConfig, resume_config
+from grpogate.delivery import deliver_adapter, peak_memory, write_run_files
 from grpogate.distributed import SINGLE, StageClock, World, agree_stop, elastic
-from grpogate.errors import InputError, command, plain
+from grpogate.errors import InputError, plain
 from grpogate.evidence.assemble import assemble_evidence, library_versions
-from grpogate.evidence.manifest import PROBLEMS_FILE, build_manifest
 from grpogate.evidence.trackers import Trackers
-from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, NullLog, RunDirLock, atomic_directory,
-                            atomic_write_bytes, atomic_write_json, create_run_dir, jsonl_bytes,
+from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, NullLog, RunDirLock, create_run_dir,
                             read_jsonl, remove_staging, sha256_path)
 from grpogate.inputs import tasks
-from grpogate.inputs.policy import (Policy, current_version, load_policy, save_adapter,
-                                    trainable_parameters)
+from grpogate.inputs.policy import Policy, current_version, load_policy, trainable_parameters
 from grpogate.inputs.rewards import user_reward_names
 from grpogate.interrupts import RunInterrupted, StopRequest, stop_on_signals
 from grpogate.sampling.retest import retest_both
 from grpogate.sampling.rollout import encode_prompts
 from grpogate.training.checkpoint import (CHECKPOINTS, Checkpoint, CheckpointWriter,
                                           checkpoint_to_resume, latest_checkpoint,
-                                          never_checkpointed, remove_checkpoints,
-                                          restore_training_state)
+                                          never_checkpointed, restore_training_state)
 from grpogate.training.loop import Loop, LoopState, train
 
 
@@ -71,26 +67,10 @@ class NullReporter:
         pass
 
 
-def peak_memory(device: torch.device) -> dict:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    if device.type == "cuda":
-        return {"device": "cuda", "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
-                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device), "peak_rss_bytes": rss}
-    # On the CPU the resident set is the honest peak: there is no allocator to ask.
-    return {"device": "cpu", "peak_allocated_bytes": rss, "peak_reserved_bytes": rss,
-            "peak_rss_bytes": rss}
-
-
-def deliver_adapter(policy: Policy, run_dir: Path) -> str:
-    """Write adapter/ through a staging directory and a rename; returns the weights' sha256."""
-    with atomic_directory(run_dir / "adapter") as staging:
-        adapter_sha = save_adapter(policy, staging)
-    return adapter_sha
-
-
 def input_identity(admission: Admission, policy: Policy) -> dict:
     """What a resumed run must find unchanged: problem sets, verifier, base model, baseline."""
     return {"train_set": admission.train_identity, "eval_set": admission.eval_identity,
+            "guard_set": admission.guard_identity,
             "verifier_version": admission.verifier.version,
             "reward_versions": admission.reward_set.versions, "model_sha256": policy.base.sha256,
             "baseline_policy_version": policy.baseline_version}
@@ -148,6 +128,7 @@ class Prepared:
     optimizer: torch.optim.Optimizer
     inputs: dict  # input_identity: what a resumed run must find unchanged
     load_seconds: float
+    guard_prompts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -179,15 +160,17 @@ def prepare(admission: Admission) -> Prepared:
         torch.cuda.reset_peak_memory_stats(policy.device)
     # Encoded before anything is written: a prompt over max_prompt_tokens is bad input, and an
     # eval prompt must not fail only after hours of training.
-    train_prompts, eval_prompts = (
+    train_prompts, eval_prompts, guard_prompts = (
         encode_prompts(policy.tokenizer, problems, config.resolved_system_prompt(),
-                       config.max_prompt_tokens) for problems in (admission.train, admission.eval))
+                       config.max_prompt_tokens) if problems else []
+        for problems in (admission.train, admission.eval, admission.guard))
     trainable = trainable_parameters(policy)
     optimizer = torch.optim.AdamW(trainable.values(), lr=config.learning_rate,
                                   weight_decay=config.weight_decay)
     return Prepared(policy=policy, train_prompts=train_prompts, eval_prompts=eval_prompts,
                     trainable=trainable, optimizer=optimizer,
-                    inputs=input_identity(admission, policy), load_seconds=load_seconds)
+                    inputs=input_identity(admission, policy), load_seconds=load_seconds,
+                    guard_prompts=guard_prompts)
 
 
 def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | None,
@@ -258,20 +241,28 @@ def training_loop(admission: Admission, prepared: Prepared, opened: OpenRun, rep
 
 def retest_stage(admission: Admission, prepared: Prepared, state: LoopState,
                  candidate_version: str, reporter, stop: StopRequest,
-                 world: World = SINGLE) -> tuple[list[dict], int, bool]:
+                 world: World = SINGLE) -> tuple[list[dict], int, bool, list[dict]]:
     """The re-test unless the loop stopped or a stop is pending: (records, verifier errors,
-    skipped). A stop during the re-test skips it as a whole."""
+    skipped, guard records). The eval set's records carry the drift (KL to the baseline,
+    entropy); the guard set, when on, is answered by both policies after it. A stop during
+    the re-test skips it as a whole."""
     config = admission.config
     if state.status == "ok" and agree_stop(world, stop):
         state.interrupt(stop, "before the re-test")
     elif state.status != "interrupted":
         retested = retest_both(prepared.policy, admission.eval, prepared.eval_prompts,
                                admission.verifier, config, candidate_version, reporter, stop,
-                               world)
-        if retested is not None:
-            return (*retested, False)
+                               world, drift=True)
+        guarded = ([], 0)
+        if retested is not None and admission.guard:
+            guarded = retest_both(prepared.policy, admission.guard, prepared.guard_prompts,
+                                  admission.guard_verifier, config, candidate_version, reporter,
+                                  stop, world, group_size=config.guard.group_size,
+                                  label="guard")
+        if retested is not None and guarded is not None:
+            return retested[0], retested[1] + guarded[1], False, guarded[0]
         state.interrupt(stop, "during the re-test")
-    return [], 0, True
+    return [], 0, True, []
 
 
 def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds: dict,
@@ -299,6 +290,10 @@ def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds
             # What training rewards are made of; the decision reads the verifier alone.
             "rewards": admission.reward_set.describe(),
             "train_set": admission.train_identity, "eval_set": admission.eval_identity,
+            "guard_set": admission.guard_identity,
+            "guard_verifier": ({"name": config.guard.verifier(),
+                                "version": admission.guard_verifier.version}
+                               if admission.guard_verifier is not None else None),
         },
         "contract": state.contract, "seconds": seconds,
         "verifier_errors": state.verifier_errors, "reward_errors": state.reward_errors,
@@ -310,31 +305,6 @@ def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds
                      "source_policy_version": policy.baseline_version,
                      "new_policy_version": candidate_version},
     }
-
-
-def write_run_files(run_dir: Path, evidence: dict, problems: list[dict],
-                    eval_records: list[dict], trajectories: list[dict], reporter) -> None:
-    """Problems, re-test records, evidence, then the manifest (last: the run is complete), the
-    report. The problems make the directory self-contained: `decide` re-scores from them."""
-    atomic_write_bytes(run_dir / PROBLEMS_FILE, jsonl_bytes(problems))
-    atomic_write_bytes(run_dir / "eval_completions.jsonl", jsonl_bytes(eval_records))
-    atomic_write_json(run_dir / "evidence.json", evidence)
-    atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))
-    # A finished run can no longer be resumed: its checkpoints are waste. A run stopped by a
-    # signal keeps them: its manifest is interim (status interrupted) and `--resume` continues
-    # it, its final manifest then replacing this one by an atomic rename.
-    if evidence["status"] != "interrupted":
-        remove_checkpoints(run_dir)
-    # The report is derived from the files above and written after the manifest: a plotting
-    # failure (any exception type matplotlib may raise) is logged and never loses the run;
-    # `grpogate report RUN_DIR` can write it again.
-    try:
-        from grpogate.evidence.report import write_report
-
-        reporter.log(f"report: {plain(write_report(run_dir))}")
-    except Exception as error:  # noqa: BLE001
-        reporter.log(f"[yellow]report not written ({type(error).__name__}: {plain(error)}); "
-                     f"retry with `{command('grpogate', 'report', run_dir)}`")
 
 
 def _execute(admission: Admission, reporter, stop: StopRequest,
@@ -366,7 +336,8 @@ def _execute(admission: Admission, reporter, stop: StopRequest,
         if world.is_main:  # assemble the evidence and write it, the manifest last
             facts = run_facts(admission, prepared, opened, seconds, retested, adapter_sha,
                               candidate_version, distributed)
-            evidence = write_evidence(admission, opened, facts, retested[0], reporter)
+            evidence = write_evidence(admission, opened, facts, retested[0], retested[3],
+                                      reporter)
             trackers.log_final(evidence)
             evidence["run_dir"] = str(opened.run_dir)
         evidence = world.broadcast_object(evidence)
@@ -410,14 +381,16 @@ def open_trackers(config: RunConfig, opened: OpenRun, reporter, world: World) ->
 
 
 def write_evidence(admission: Admission, opened: OpenRun, facts: dict, eval_records: list[dict],
-                   reporter) -> dict:
+                   guard_records: list[dict], reporter) -> dict:
     """Assemble the evidence from the run's facts and records (the audit's function too) and
     write the run's files; returns the evidence."""
     config, state = admission.config, opened.state
     evidence = assemble_evidence(facts, config.to_dict(), state.steps, state.trajectories,
-                                 eval_records)
-    problems = tasks.problem_records(config.task, admission.train, admission.eval)
-    write_run_files(opened.run_dir, evidence, problems, eval_records, state.trajectories, reporter)
+                                 eval_records, guard_records)
+    problems = tasks.problem_records(config.task, admission.train, admission.eval,
+                                     config.guard, admission.guard)
+    write_run_files(opened.run_dir, evidence, problems, eval_records, state.trajectories, reporter,
+                    guard_records)
     return evidence
 
 

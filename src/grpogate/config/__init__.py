@@ -19,13 +19,14 @@ from grpogate.config.schema import (BUILT_IN_REWARDS, BUNDLED_MODEL, CHAIN_SUM_S
                                     KL_ESTIMATORS, LOSS_TYPES, MAX_REWARD_VALUE, MAX_REWARD_WEIGHT,
                                     MULTI_OBJECTIVE_AGGREGATIONS,
                                     RENAMED_KEYS, REPORTERS, ROLLOUT_CORRECTIONS, SCALE_REWARDS,
-                                    USER_REWARD_PATH, RunConfig, TaskConfig, flatten, step_count)
+                                    USER_REWARD_PATH, GuardConfig, RunConfig, TaskConfig, flatten,
+                                    step_count)
 from grpogate.config.validation import SEED_LIMIT, label_is_a_name, validate
 from grpogate.gates import Gates
 
 __all__ = [
     "BUILT_IN_REWARDS", "BUNDLED_MODEL", "CHAIN_SUM_SYSTEM_PROMPT", "DTYPES", "GSM8K_SYSTEM_PROMPT",
-    "Gates", "IMPORTANCE_SAMPLING_LEVELS", "KL_ESTIMATORS", "LOSS_TYPES", "MAX_REWARD_VALUE",
+    "Gates", "GuardConfig", "IMPORTANCE_SAMPLING_LEVELS", "KL_ESTIMATORS", "LOSS_TYPES", "MAX_REWARD_VALUE",
     "MAX_REWARD_WEIGHT",
     "MULTI_OBJECTIVE_AGGREGATIONS", "RENAMED_KEYS", "REPORTERS", "ROLLOUT_CORRECTIONS",
     "RunConfig", "SCALE_REWARDS", "SEED_LIMIT", "TaskConfig", "USER_REWARD_PATH",

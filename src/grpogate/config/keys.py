@@ -91,6 +91,16 @@ KEY_HELP = {
     "gates.maximum_peak_allocated_bytes": "tune if peak memory exceeds this",
     "gates.require_significant_gain": "true: gain gates read the 95 % bootstrap lower bound; false: "
                                       "the point estimate (the reference profile's gates)",
+    "gates.maximum_retest_kl": "tune if the candidate's mean per-token KL to the baseline on the "
+                               "re-test's fresh completions exceeds this; 0: off (still recorded)",
+    "gates.maximum_guard_reward_loss": "tune if the candidate is worse on the guard set by more "
+                                       "than this (95 % upper bound below -this; 0: any "
+                                       "significant loss)",
+    "guard.prompts": "guard problems both policies also answer in the re-test; 0: guard off",
+    "guard.group_size": "completions per guard problem",
+    "guard.task": "the guard's reasoning-gym dataset: a neighbouring task the update must not damage",
+    "guard.params": "the guard generator's keyword arguments",
+    "guard.seed": "seed of the guard problems; never overlapping the train and eval sets",
 }
 
 

@@ -16,7 +16,7 @@ from grpogate.config.schema import RENAMED_KEYS, USER_REWARD_PATH, RunConfig, fl
 from grpogate.config.validation import validate
 from grpogate.errors import InputError
 from grpogate.files import read_json
-from grpogate.gates import GATE_NAMES, SWITCH_GATE_NAMES, validate_gates
+from grpogate.gates import GATE_NAMES, OPTIONAL_GATE_NAMES, SWITCH_GATE_NAMES, validate_gates
 
 
 def available_profiles() -> list[str]:
@@ -80,10 +80,11 @@ def _read_gates_file(path: str) -> dict:
         raise InputError(f"{path}: a gates file holds exactly one table, [gates] "
                          "(JSON: {\"gates\": {...}})")
 
+    known = GATE_NAMES + OPTIONAL_GATE_NAMES + SWITCH_GATE_NAMES
     for name in table:
-        if name not in GATE_NAMES + SWITCH_GATE_NAMES:
+        if name not in known:
             raise InputError(f"{path}: unknown gate {name!r} in [gates]; known gates: "
-                             f"{', '.join(GATE_NAMES + SWITCH_GATE_NAMES)}")
+                             f"{', '.join(known)}")
     return table
 
 

@@ -35,7 +35,7 @@ def validate(config: RunConfig) -> RunConfig:
         need(not isinstance(value, float) or math.isfinite(value),
              f"{name} must be a finite number (got {value!r})")
     for name, value in (("seed", config.seed), ("task.train_seed", config.task.train_seed),
-                        ("task.eval_seed", config.task.eval_seed)):
+                        ("task.eval_seed", config.task.eval_seed), ("guard.seed", config.guard.seed)):
         # torch's generators take a 64-bit seed and the re-test adds an offset: 0 .. 2**32 - 1.
         need(0 <= value < SEED_LIMIT, f"{name} must be in [0, {SEED_LIMIT - 1}] (got {value})")
     need(label_is_a_name(config.label), f"label {config.label!r} must be a name (no / or \\, "
@@ -77,6 +77,7 @@ def validate(config: RunConfig) -> RunConfig:
     unknown = [name for name in config.report_to if name not in REPORTERS]
     need(not unknown, f"report_to: unknown tracker {', '.join(map(repr, unknown))}; known: "
          f"{', '.join(REPORTERS)} (comma-separated, or none)")
+    _validate_guard(config, need)
     need(not (config.baseline_manifest and config.adapter),
          "give either baseline_manifest or adapter, not both (the manifest names its adapter)")
     validate_gates(dataclasses.asdict(config.gates))
@@ -157,3 +158,12 @@ def _validate_sampling(config: RunConfig, need) -> None:
          f"min_p must be in [0, 1) (0 = off; got {config.min_p})")
     need(config.max_generation_rounds >= 1,
          f"max_generation_rounds must be >= 1 (got {config.max_generation_rounds})")
+
+
+def _validate_guard(config: RunConfig, need) -> None:
+    """The re-test's guard set: a size, and a task to draw it from when it is on."""
+    need(config.guard.prompts >= 0 and config.guard.group_size >= 1,
+         f"guard.prompts must be >= 0 (0 = off; got {config.guard.prompts}) and "
+         f"guard.group_size >= 1 (got {config.guard.group_size})")
+    need(not config.guard.enabled or bool(config.guard.task),
+         "guard.task must name a reasoning-gym dataset (e.g. chain_sum), or set guard.prompts = 0")

@@ -14,7 +14,7 @@ import platform
 from importlib import metadata
 
 from grpogate.config import step_count
-from grpogate.evidence import decisions, metrics
+from grpogate.evidence import decisions, guard, metrics
 from grpogate.seeding import REFILL_SEED_OFFSET, eval_seed, rollout_seed
 
 EVIDENCE_VERSION = 1
@@ -200,15 +200,24 @@ def comparison_section(eval_records: list[dict], config: dict, verifier_errors: 
         [r for r in eval_records if r["policy"] == "baseline"], group_size, budget)
     candidate = metrics.summarize_completions(
         [r for r in eval_records if r["policy"] == "candidate"], group_size, budget)
-    paired = metrics.paired_comparison(baseline, candidate, resamples=BOOTSTRAP_RESAMPLES,
-                                       seed=seeds(config)["bootstrap"], confidence=CONFIDENCE)
-    return {
+    paired = metrics.paired_comparison(baseline, candidate, **bootstrap_settings(config))
+    comparison = {
         "reward_mean_gain": candidate["mean_reward"] - baseline["mean_reward"],
         "pass_at_group_gain": candidate["pass_at_group"] - baseline["pass_at_group"],
         "eval_group_size": group_size, "eval_seed": seeds(config)["eval"],
         "baseline": baseline, "candidate": candidate, "paired": paired,
         "verifier_errors": verifier_errors,
     }
+    drift = guard.drift_section(eval_records)
+    if drift is not None:  # absent from runs recorded before the drift was measured
+        comparison["drift"] = drift
+    return comparison
+
+
+def bootstrap_settings(config: dict) -> dict:
+    """The paired bootstrap of the eval and guard comparisons: resamples, seed, confidence."""
+    return {"resamples": BOOTSTRAP_RESAMPLES, "seed": seeds(config)["bootstrap"],
+            "confidence": CONFIDENCE}
 
 
 def skipped_comparison(config: dict) -> dict:
@@ -248,12 +257,13 @@ def run_status(loop_status: str, rollout: dict, update: dict) -> str:
 
 
 def assemble_evidence(facts: dict, config: dict, steps: list[dict], trajectories: list[dict],
-                      eval_records: list[dict]) -> dict:
+                      eval_records: list[dict], guard_records: list[dict] = ()) -> dict:
     """The evidence document. `facts` holds: run_label, created, loop_status, failure,
     interruption, resumes, environment, inputs, contract, seconds (rollout, verification,
     update, evaluation, checkpoint, load, total), verifier_errors, reward_errors, retest_verifier_errors,
     retest_skipped, micro_batch_size, oom_retries, resources, artifact and (optional)
-    distributed: world_size, backend, restart_count, per_rank_seconds."""
+    distributed: world_size, backend, restart_count, per_rank_seconds. `guard_records`: both
+    policies' re-test completions on the guard set (config `guard`)."""
     seconds = facts["seconds"]
     rollout = rollout_section(trajectories, steps, seconds, config, facts["verifier_errors"],
                               facts.get("reward_errors", 0))
@@ -285,6 +295,10 @@ def assemble_evidence(facts: dict, config: dict, steps: list[dict], trajectories
     }
     if facts.get("distributed") is not None:  # absent from runs recorded before torchrun
         evidence["distributed"] = distributed_section(facts["distributed"])
+    guard_result = guard.guard_section(config, list(guard_records), bootstrap_settings(config),
+                                       skipped=facts["retest_skipped"])
+    if guard_result is not None:  # absent from runs recorded before the guard
+        evidence["guard"] = guard_result
     return decided(evidence, config["gates"], seconds["total"])
 
 

@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from grpogate.config import BUILT_IN_REWARDS, Gates, TaskConfig
+from grpogate.config import Gates, TaskConfig
 from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, recorded_facts,
@@ -37,9 +37,9 @@ from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, re
 from grpogate.evidence.audit_files import (Audit, anchored_versions, check_hashes, confined,
                                            numbered_jsonl, read_object, same_value,
                                            stored_problem_sets, unknown_fields)
-from grpogate.evidence.manifest import PROBLEMS_FILE
+from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
 from grpogate.evidence.rescore import (RescorePlan, announce_cost, audit_reward_set, describe,
-                                      recorded_value, refuse_excess_records)
+                                      refuse_excess_records, rescored_reward)
 from grpogate.files import confined_file, policy_version
 from grpogate.inputs.tasks import load_problem_sets, problem_set_hash
 from grpogate.inputs.verifiers import get_verifier
@@ -108,38 +108,10 @@ def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]]
             audit.mismatch(f"{where} prompt_id", record.get("prompt_id"), "a prompt of the set")
             continue
         sampled = plan is None or plan.covers(first_index + position)
-        rescored = _rescored_reward(audit, where, record, reference, verifier, reward_set, sampled,
+        rescored = rescored_reward(audit, where, record, reference, verifier, reward_set, sampled,
                                     (questions or {}).get(str(record.get("prompt_id")), ""))
         if not same_value(record.get("reward"), rescored):
             audit.mismatch(f"{where} reward", record.get("reward"), rescored)
-
-
-def _rescored_reward(audit: Audit, where: str, record: dict, reference: str, verifier,
-                     reward_set, sampled: bool, question: str = "") -> float:
-    """The record's reward recomputed: the verifier's (re-run when `sampled`, else as recorded)
-    alone, or with `reward_set` the weighted total of every component, the components compared
-    with the recorded ones. Values taken as recorded must be numbers within the value bound."""
-    recorded = record.get("rewards") if isinstance(record.get("rewards"), dict) else {}
-    if sampled:
-        correctness = verifier.score(record.get("completion"), reference)
-    elif reward_set is not None:
-        correctness = recorded_value(audit, f"{where} rewards.correctness",
-                                     recorded.get("correctness"))
-    else:
-        correctness = recorded_value(audit, f"{where} reward", record.get("reward"))
-    if reward_set is None:
-        return correctness
-    taken = [name for name in reward_set.weights if name not in BUILT_IN_REWARDS
-             and (name in reward_set.as_recorded or not sampled)]
-    # A user component may record None ("not applicable", a TRL-style function's answer).
-    values = {name: recorded_value(audit, f"{where} rewards.{name}", recorded.get(name),
-                                   allow_none=True) for name in taken}
-    tokens = record.get("completion_tokens")
-    components = reward_set.score(record.get("completion"), reference,
-                                  tokens if isinstance(tokens, int) else 0, correctness,
-                                  question=question, recorded=values, taken=taken)
-    audit.compare(f"{where} rewards", record.get("rewards"), components)
-    return reward_set.total(components)
 
 
 def check_steps(audit: Audit, evidence: dict, trajectories: list[dict],
@@ -185,32 +157,40 @@ def check_steps(audit: Audit, evidence: dict, trajectories: list[dict],
 
 
 def check_retest_records(audit: Audit, evidence: dict, eval_records: list[dict],
-                         eval_prompt_ids: list[str] | None) -> None:
-    """A skipped re-test has no records and a run that says so; a held one covers the eval set."""
+                         eval_prompt_ids: list[str] | None, guard_records: list[dict] = (),
+                         guard_prompt_ids: list[str] | None = None) -> None:
+    """A skipped re-test has no records and a run that says so; a held one covers the eval set
+    (and the guard set, when the guard was on)."""
     comparison = evidence.get("comparison") or {}
     if comparison.get("skipped") is True:
         # A run stopped before its re-test records zeros; they are only honest if the run
         # says it did not finish and no re-test completion exists.
         if evidence.get("status") == "ok":
             audit.mismatch("comparison.skipped (a run with status ok must have a re-test)", True)
-        if eval_records:
-            audit.mismatch("eval_completions.jsonl (records of a skipped re-test)",
-                           len(eval_records), 0)
+        for name, records in (("eval_completions.jsonl", eval_records),
+                              (GUARD_FILE, guard_records)):
+            if records:
+                audit.mismatch(f"{name} (records of a skipped re-test)", len(records), 0)
         return
     if eval_prompt_ids is None:
         return
     for name in ("baseline", "candidate"):
         answered = sorted({str(r.get("prompt_id")) for r in eval_records if r.get("policy") == name})
         audit.compare(f"eval_completions.jsonl {name} prompt ids", answered, sorted(eval_prompt_ids))
+    for name in ("baseline", "candidate") if guard_prompt_ids else ():
+        answered = sorted({str(r.get("prompt_id")) for r in guard_records
+                           if r.get("policy") == name})
+        audit.compare(f"{GUARD_FILE} {name} prompt ids", answered, sorted(guard_prompt_ids))
 
 
 def check_assembly(audit: Audit, evidence: dict, trajectories: list[dict],
-                   eval_records: list[dict]) -> None:
+                   eval_records: list[dict], guard_records: list[dict] = ()) -> None:
     """Rebuild the evidence document from the recorded facts and the stored records with the
-    run's own function; every derived field must come out as recorded."""
+    run's own function; every derived field must come out as recorded (the guard's paired
+    statistics and the re-test drift included)."""
     compare_rebuilt(audit, evidence, lambda: assemble_evidence(
         recorded_facts(evidence), evidence["config"], evidence.get("steps") or [], trajectories,
-        eval_records))
+        eval_records, guard_records))
 
 
 def compare_rebuilt(audit: Audit, evidence: dict, rebuild: Callable[[], dict]) -> None:
@@ -230,40 +210,88 @@ def compare_rebuilt(audit: Audit, evidence: dict, rebuild: Callable[[], dict]) -
 
 # --- the whole audit ----------------------------------------------------------------------------
 
-def _read_run(audit: Audit, run_dir: Path) -> tuple[dict, list, list]:
-    """The manifest (empty when missing) and the numbered trajectory and re-test records."""
+def _read_run(audit: Audit, run_dir: Path, guard_expected: bool) -> tuple[dict, list, list, list]:
+    """The manifest (empty when missing) and the numbered trajectory, re-test and guard
+    records (the guard file is read when it exists or the run's config says it must)."""
     manifest: dict = {}
     if (run_dir / "manifest.json").is_file():
         manifest = read_object(run_dir / "manifest.json", audit) or {}
     else:
         audit.mismatch("manifest.json (missing: the run did not complete)")
+    guard = (numbered_jsonl(run_dir / GUARD_FILE, audit)
+             if guard_expected or (run_dir / GUARD_FILE).exists() else [])
     return (manifest, numbered_jsonl(run_dir / "trajectories.jsonl", audit),
-            numbered_jsonl(run_dir / "eval_completions.jsonl", audit))
+            numbered_jsonl(run_dir / "eval_completions.jsonl", audit), guard)
+
+
+def _guard_expected(evidence: dict) -> bool:
+    """A guard file must exist when the config's guard was on and the re-test ran."""
+    guard = evidence["config"].get("guard")
+    skipped = (evidence.get("comparison") or {}).get("skipped") is True
+    return (isinstance(guard, dict) and type(guard.get("prompts")) is int
+            and guard["prompts"] > 0 and not skipped)
 
 
 def _reload_references(audit: Audit, evidence: dict, run_dir: Path
-                       ) -> tuple[dict | None, dict | None, dict | None]:
-    """Reference answers by prompt id of the stored train and eval sets, and the train set's
-    questions (what a TRL-style reward function is given) (None: unavailable).
+                       ) -> tuple[dict[str, dict] | None, dict | None]:
+    """Reference answers by prompt id of the stored train, eval and guard sets, and the train
+    set's questions (what a TRL-style reward function is given) (None: unavailable).
 
     Each set must hash (the run's own `problem_set_hash`) to the identity the evidence records
     and hold as many problems as the config asked for."""
     stored = stored_problem_sets(run_dir, audit)
     if stored is None:
-        return None, None, None
+        return None, None
     config = evidence["config"]
-    for name, problems, size in (("train_set", stored[0], config["train_prompts"]),
-                                 ("eval_set", stored[1], config["eval_prompts"])):
-        recorded = evidence["inputs"].get(name) or {}
-        audit.compare(f"inputs.{name}.problem_set_sha256", recorded.get("problem_set_sha256"),
-                      problem_set_hash(problems))
-        audit.compare(f"{PROBLEMS_FILE} {name} size", size, len(problems))
-    return ({p.prompt_id: p.reference for p in stored[0]},
-            {p.prompt_id: p.reference for p in stored[1]},
-            {p.prompt_id: p.question for p in stored[0]})
+    guard = config.get("guard") if isinstance(config.get("guard"), dict) else {}
+    sizes = {"train": config["train_prompts"], "eval": config["eval_prompts"],
+             "guard": max(0, guard.get("prompts", 0))}
+    for split, size in sizes.items():
+        recorded = evidence["inputs"].get(f"{split}_set") or {}
+        if split != "guard" or size:
+            audit.compare(f"inputs.{split}_set.problem_set_sha256",
+                          recorded.get("problem_set_sha256"), problem_set_hash(stored[split]))
+        audit.compare(f"{PROBLEMS_FILE} {split}_set size", size, len(stored[split]))
+    return ({split: {p.prompt_id: p.reference for p in problems}
+             for split, problems in stored.items()},
+            {p.prompt_id: p.question for p in stored["train"]})
 
 
-def _check_all_records(audit: Audit, evidence: dict, numbered_trajectories, numbered_eval,
+def _check_all_records(audit: Audit, evidence: dict, numbered: dict[str, list],
+                       references: dict[str, dict] | None, verifier, reward_set,
+                       policy_versions: dict[str, str], plan: RescorePlan,
+                       train_questions: dict | None) -> None:
+    """Every stored completion re-scored: training, re-test and guard records (the first two
+    within `plan`'s sample)."""
+    refs = references or {}  # None: problems.jsonl unusable, the rewards cannot be re-scored
+    _check_run_records(audit, evidence, numbered["trajectories"], numbered["eval"],
+                       refs.get("train"), refs.get("eval"), verifier, reward_set, policy_versions,
+                       plan, train_questions)
+    if numbered["guard"]:
+        guard_verifier = _guard_verifier(audit, evidence)
+        check_records(audit, GUARD_FILE, numbered["guard"], guard_verifier, refs.get("guard"),
+                      lambda r: {"verifier_version": (evidence["inputs"].get("guard_verifier")
+                                                      or {}).get("version"),
+                                 "seed": evidence["seeds"]["eval"],
+                                 "policy_version": policy_versions.get(
+                                     r.get("policy"), "the baseline or candidate version")},
+                      evidence["config"]["max_new_tokens"])
+
+
+def _guard_verifier(audit: Audit, evidence: dict):
+    """The guard task's own verifier, rebuilt from the config; its version must be recorded."""
+    name = f"reasoning-gym/{evidence['config']['guard']['task']}"
+    recorded = evidence["inputs"].get("guard_verifier") or {}
+    try:
+        verifier = get_verifier(name)
+    except ValueError as error:
+        audit.mismatch(f"inputs.guard_verifier.name ({error})", recorded.get("name"))
+        return None
+    audit.compare("inputs.guard_verifier", recorded, {"name": name, "version": verifier.version})
+    return verifier
+
+
+def _check_run_records(audit: Audit, evidence: dict, numbered_trajectories, numbered_eval,
                        train_refs, eval_refs, verifier, reward_set,
                        policy_versions: dict[str, str], plan: RescorePlan,
                        train_questions=None) -> None:
@@ -306,28 +334,33 @@ def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
         return {"run_dir": str(run_dir), "recorded_decision": None, "decision": "reject",
                 "agrees": False, "mismatches": audit.mismatches, "checks": []}
     check_adapter_dir(run_dir, evidence)
-    manifest, numbered_trajectories, numbered_eval = _read_run(audit, run_dir)
-    refuse_excess_records(evidence["config"], {"trajectories.jsonl": len(numbered_trajectories),
-                                               "eval_completions.jsonl": len(numbered_eval)})
-    trajectories = [record for _, record in numbered_trajectories]
-    eval_records = [record for _, record in numbered_eval]
-    plan = RescorePlan.choose(len(numbered_trajectories) + len(numbered_eval), max_rescore)
+    manifest, *files = _read_run(audit, run_dir, _guard_expected(evidence))
+    numbered = dict(zip(("trajectories", "eval", "guard"), files))
+    refuse_excess_records(evidence["config"], {"trajectories.jsonl": len(numbered["trajectories"]),
+                                               "eval_completions.jsonl": len(numbered["eval"]),
+                                               GUARD_FILE: len(numbered["guard"])})
+    trajectories, eval_records, guard_records = (
+        [record for _, record in numbered[name]] for name in ("trajectories", "eval", "guard"))
+    # The guard's records are always re-scored (their count is bounded by the config above).
+    plan = RescorePlan.choose(len(trajectories) + len(eval_records), max_rescore)
     reward_set = None
     try:
         if manifest:
             check_hashes(audit, run_dir, manifest, evidence, trajectories)
         versions = anchored_versions(audit, run_dir, evidence)
-        train_refs, eval_refs, train_questions = _reload_references(audit, evidence, run_dir)
+        references, train_questions = _reload_references(audit, evidence, run_dir)
         verifier = _verifier(audit, evidence)
         if verifier is not None:
             reward_set = audit_reward_set(audit, evidence, verifier, run_dir, list(trusted_rewards))
             announce_cost(announce, verifier, reward_set, plan)
-        _check_all_records(audit, evidence, numbered_trajectories, numbered_eval, train_refs,
-                           eval_refs, verifier, reward_set, versions, plan, train_questions)
+        _check_all_records(audit, evidence, numbered, references, verifier, reward_set, versions,
+                           plan, train_questions)
         check_steps(audit, evidence, trajectories,
                     reward_set.versions if reward_set is not None else None)
-        check_retest_records(audit, evidence, eval_records, list(eval_refs) if eval_refs else None)
-        check_assembly(audit, evidence, trajectories, eval_records)
+        check_retest_records(audit, evidence, eval_records,
+                             list(references["eval"]) if references else None, guard_records,
+                             list(references["guard"]) if references else None)
+        check_assembly(audit, evidence, trajectories, eval_records, guard_records)
     except (KeyError, TypeError, AttributeError) as error:
         # A field the audit needs is missing or of the wrong type: unreadable evidence.
         audit.mismatch(f"evidence (malformed: {type(error).__name__} {error})")

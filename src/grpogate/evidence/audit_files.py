@@ -15,7 +15,7 @@ from grpogate.errors import InputError
 from grpogate.evidence.manifest import PROBLEMS_FILE, RUN_FILES, build_manifest, trace_ids_sha256
 from grpogate.files import (ADAPTER_WEIGHTS, confined_file, parse_json, policy_version,
                             read_confined, safetensors_sha256, sha256_path)
-from grpogate.inputs.tasks import problems_from_records
+from grpogate.inputs.tasks import stored_sets
 
 FLOAT_TOLERANCE = 1e-9
 
@@ -106,8 +106,8 @@ def numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
     return records
 
 
-def stored_problem_sets(run_dir: Path, audit: Audit) -> tuple[list, list] | None:
-    """The run's train and eval problems as problems.jsonl stores them (None: unusable).
+def stored_problem_sets(run_dir: Path, audit: Audit) -> dict[str, list] | None:
+    """The run's train, eval and guard problems as problems.jsonl stores them (None: unusable).
 
     The run directory alone is enough: no task generator or dataset is needed. The file is
     pinned by the manifest like every other; each prompt id is recomputed from its question
@@ -117,7 +117,7 @@ def stored_problem_sets(run_dir: Path, audit: Audit) -> tuple[list, list] | None
     if not numbered:
         return None
     try:
-        return problems_from_records(numbered, PROBLEMS_FILE)
+        return stored_sets(numbered, PROBLEMS_FILE)
     except InputError as error:
         audit.mismatch(f"{PROBLEMS_FILE} ({error})")
         return None

@@ -336,7 +336,8 @@ def run_checks(evidence: Any, gates: Any) -> list[dict[str, Any]]:
     """One row per whole-run check {"name", "value", "threshold", "passed", "on_fail"}, in
     order: contract, (a gated foreign run: baseline_identity, isolation,) execution,
     effective_groups, effective_throughput, updates, reward, pass_at_group, truncation,
-    length_budget, memory, artifact."""
+    length_budget, guard, retest_kl, memory, artifact (guard and retest_kl only when the gates
+    hold theirs)."""
     admitted = _get(evidence, "contract", "admitted")
     contract = _row("contract", admitted if isinstance(admitted, bool) else None, True,
                     admitted is True, "reject")
@@ -349,8 +350,10 @@ def run_checks(evidence: Any, gates: Any) -> list[dict[str, Any]]:
     length_budget = _gate_row("length_budget", None if None in eval_ratios else max(eval_ratios),
                               gates, "maximum_max_length_hit_ratio")
     memory = candidate_rows.pop()  # docs/design.md §5's order: length_budget before memory
-    return [contract, *_foreign_admission_rows(evidence), *candidate_rows, length_budget, memory,
-            _artifact_check(_get(evidence, "artifact"))]
+    # What the update cost: the guard set and the drift (absent rows: gates that predate them).
+    safety = [row for row in (_guard_row(evidence, gates), _retest_kl_row(evidence, gates)) if row]
+    return [contract, *_foreign_admission_rows(evidence), *candidate_rows, length_budget, *safety,
+            memory, _artifact_check(_get(evidence, "artifact"))]
 
 
 def _foreign_admission_rows(evidence: Any) -> list[dict[str, Any]]:
@@ -370,6 +373,37 @@ def _foreign_admission_rows(evidence: Any) -> list[dict[str, Any]]:
         _row("isolation", shared if checked is True else "not checked", 0,
              checked is True and shared == 0, "tune"),
     ]
+
+
+def _guard_row(evidence: Any, gates: Any) -> dict[str, Any] | None:
+    """The guard set must not be significantly worse: the guard reward gain's 95 % upper bound
+    (the point estimate under the point-estimate rule) >= -maximum_guard_reward_loss. None
+    (no row) when the gates predate the guard; a guard recorded off passes as "off"."""
+    if not isinstance(gates, dict) or "maximum_guard_reward_loss" not in gates:
+        return None
+    guard, loss = _get(evidence, "guard"), finite_number(gates["maximum_guard_reward_loss"])
+    threshold = None if loss is None else 0.0 - loss  # 0.0 - 0.0 shows as 0, not -0
+    if isinstance(guard, dict) and guard.get("enabled") is False and not _retest_skipped(evidence):
+        return _row("guard", "off", threshold, True, "tune")
+    value = None
+    if isinstance(guard, dict) and guard.get("skipped") is not True:
+        value = (_get(guard, "paired", "reward_mean_gain", "high")
+                 if gain_rule(gates) == "bootstrap lower bound" else guard.get("reward_mean_gain"))
+    value = finite_number(value)
+    return _row("guard", value, threshold,
+                value is not None and threshold is not None and value >= threshold, "tune")
+
+
+def _retest_kl_row(evidence: Any, gates: Any) -> dict[str, Any] | None:
+    """The candidate's mean per-token KL to the baseline on the re-test <= maximum_retest_kl;
+    0 turns the gate off (the KL is still recorded). None when the gates predate it."""
+    if not isinstance(gates, dict) or "maximum_retest_kl" not in gates:
+        return None
+    kl = None if _retest_skipped(evidence) else finite_number(
+        _get(evidence, "comparison", "drift", "kl_to_baseline"))
+    if finite_number(gates["maximum_retest_kl"]) == 0:
+        return _row("retest_kl", kl, "off", True, "tune")
+    return _gate_row("retest_kl", kl, gates, "maximum_retest_kl")
 
 
 def decide_run(evidence: Any, gates: Any) -> dict[str, Any]:

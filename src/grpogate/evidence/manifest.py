@@ -14,9 +14,10 @@ from grpogate.files import (ADAPTER_WEIGHTS, confined_file, policy_version, read
 
 MANIFEST_VERSION = 1
 PROBLEMS_FILE = "problems.jsonl"  # every train and eval problem: what `decide` re-scores against
+GUARD_FILE = "guard_completions.jsonl"  # both policies' re-test completions on the guard set
 # trainer_state.json: a gated foreign run's copy of the trainer's log (grpogate gate --from-trl).
 RUN_FILES = ("evidence.json", "trajectories.jsonl", "eval_completions.jsonl", PROBLEMS_FILE,
-             "trainer_state.json")
+             GUARD_FILE, "trainer_state.json")
 
 
 def trace_ids_sha256(trace_ids: list[str]) -> str:

@@ -17,58 +17,22 @@ import html
 import json
 import shlex
 from pathlib import Path
-from typing import Any
 
 from grpogate.config import profile_note
 from grpogate.errors import InputError
 from grpogate.evidence.decisions import gain_rule
 from grpogate.evidence.manifest import PROBLEMS_FILE
+from grpogate.evidence.report_html import _STYLE, _e, _fmt, _h2, _img, _table
 from grpogate.evidence.report_figures import paired_prompts, render_all, stage_seconds
 from grpogate.files import atomic_write_bytes, parse_json, read_confined
 
 REPORT_HTML = "report.html"
 FIGURE_NAMES = ("stages", "steps", "lengths", "per_prompt", "intervals")
 # Every section's id, in page order ("what-to-try" only when a gate failed).
-SECTIONS = ("gates", "what-to-try", "configuration", "re-test", "per-prompt", "completions",
-            "training", "stage-times", "inputs")
-_STYLE = """
-body{font-family:system-ui,sans-serif;margin:2em auto;max-width:70em;color:#222}
-h1{margin-bottom:.2em} h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.6em}
-table{border-collapse:collapse;margin:.6em 0} td,th{border:1px solid #ccc;padding:.25em .6em;
-text-align:left;vertical-align:top} th{background:#f3f3f3} code{font-size:.9em;word-break:break-all}
-.decision{display:inline-block;padding:.4em 1em;font-size:1.4em;font-weight:bold;color:#fff;
-border-radius:.3em} .accept{background:#2e7d32} .tune{background:#ef6c00} .reject{background:#c62828}
-.pass{color:#2e7d32;font-weight:bold} .fail{color:#c62828;font-weight:bold} .note{color:#555}
-img{max-width:100%;border:1px solid #eee;margin:.4em 0}
-pre{white-space:pre-wrap;margin:0;max-height:12em;overflow:auto;font-size:.85em}
-h4{margin:.8em 0 .2em}
-"""
+SECTIONS = ("gates", "what-to-try", "configuration", "re-test", "guard-drift", "per-prompt",
+            "completions", "training", "stage-times", "inputs")
 
 
-def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _fmt(value: Any, unit: str = "") -> str:
-    if isinstance(value, bool) or value is None:
-        return str(value)
-    if isinstance(value, (int, float)) and unit == "bytes":
-        return f"{value / 2**30:.2f} GiB"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    """Cells are HTML already (escape values with _e / _fmt before passing them)."""
-    head = "".join(f"<th>{_e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-# --- sections ---------------------------------------------------------------------------------
-
-# One line per gate: what to try when it fails (the gate names of evidence/decisions.py).
 ADVICE = {
     "contract": "the trajectories break the rollout contract (identities, complete groups): "
                 "a bug or tampering; run again and report it if it repeats",
@@ -87,19 +51,15 @@ ADVICE = {
                   "or ask for shorter answers (system_prompt)",
     "length_budget": "too many re-test completions hit the token budget, so the gain is "
                      "measured on cut-off answers: raise --max-new-tokens",
+    "guard": "the candidate is significantly worse on the guard set (a neighbouring task): "
+             "the update damaged what it was not trained on; lower --lr, raise beta, or train "
+             "fewer steps, and look at the guard completions (guard_completions.jsonl)",
+    "retest_kl": "the candidate moved further from the baseline than the KL gate allows: "
+                 "raise beta, lower --lr or train fewer steps",
     "memory": "peak memory above the gate: lower micro_batch_size or generation_batch_size",
     "artifact": "the adapter is missing or does not hash as recorded: do not deliver this "
                 "directory; run again",
 }
-
-
-def _img(pngs: dict[str, bytes], name: str, alt: str) -> str:
-    data = base64.b64encode(pngs[name]).decode("ascii")
-    return f'<img src="data:image/png;base64,{data}" alt="{_e(alt)}">'
-
-
-def _h2(section: str, title: str) -> str:
-    return f'<h2 id="{section}">{title}</h2>'
 
 
 def gates_section(evidence: dict) -> str:
@@ -206,6 +166,51 @@ def retest_section(evidence: dict, pngs: dict[str, bytes]) -> str:
                       "exact test", "counts"], tests)
             + _img(pngs, "intervals", "bootstrap intervals of the gains")
             + _img(pngs, "lengths", "baseline vs candidate length histograms"))
+
+
+def _interval_text(paired: dict, name: str) -> str:
+    interval = paired.get(name) or {}
+    if not isinstance(interval.get("low"), (int, float)):
+        return "n/a"
+    return f"{interval['point']:+.4g} [{interval['low']:+.4g}, {interval['high']:+.4g}]"
+
+
+def guard_drift_section(evidence: dict) -> str:
+    """The guard set (baseline vs candidate, paired) and the drift of the re-test."""
+    guard = evidence.get("guard")
+    drift = (evidence.get("comparison") or {}).get("drift")
+    if guard is None and drift is None:
+        return ""  # a run recorded before either existed
+    parts = [_h2("guard-drift", "Guard set and drift")]
+    if not isinstance(guard, dict):
+        parts.append("<p>no guard recorded</p>")
+    elif not guard.get("enabled"):
+        parts.append(f"<p>guard <b>off</b>: {_e(guard.get('note', ''))}</p>")
+    elif guard.get("skipped"):
+        parts.append("<p>guard not scored: the re-test was skipped</p>")
+    else:
+        task, paired = guard.get("task") or {}, guard.get("paired") or {}
+        rows = [[_e(label), _e(_fmt((guard.get("baseline") or {}).get(key))),
+                 _e(_fmt((guard.get("candidate") or {}).get(key))),
+                 _e(_interval_text(paired, gain))]
+                for label, key, gain in (("mean reward", "mean_reward", "reward_mean_gain"),
+                                         ("pass@group", "pass_at_group", "pass_at_group_gain"))]
+        sign = (paired.get("reward_mean_gain") or {}).get("sign_test") or {}
+        parts += [f"<p>{_e(guard.get('prompts'))} problems of {_e(task.get('source'))} "
+                  f"{_e(task.get('name'))} params {_e(json.dumps(task.get('params')))} (seed "
+                  f"{_e(task.get('seed'))}) x {_e(guard.get('group_size'))} samples, disjoint "
+                  "from the train and eval sets</p>",
+                  _table(["guard", "baseline", "candidate", "gain [95 % paired interval]"], rows),
+                  f'<p class="note">reward sign test p = {_e(_fmt(sign.get("p_value")))}; '
+                  f"rule: {_e(guard.get('rule'))}</p>"]
+    if isinstance(drift, dict):
+        entropy = drift.get("entropy") or {}
+        parts.append(_table(["drift on the re-test's fresh completions", "value"], [
+            [_e("mean per-token KL(candidate || baseline)"), _e(_fmt(drift.get("kl_to_baseline")))],
+            [_e("mean per-token entropy, baseline -> candidate"),
+             _e(f"{_fmt(entropy.get('baseline'))} -> {_fmt(entropy.get('candidate'))}")]])
+            + f'<p class="note">{_e(drift.get("measure"))}; {_e(drift.get("trust"))}</p>')
+    return "".join(parts)
 
 
 def per_prompt_section(evidence: dict, problems: dict, pngs: dict[str, bytes]) -> str:
@@ -387,7 +392,7 @@ def render_html(evidence: dict, manifest: dict, pngs: dict[str, bytes], run_dir:
             f"<code>grpogate decide {_e(shlex.quote(run_dir))}</code></p>"
             + gates_section(evidence) + advice_section(evidence)
             + configuration_section(evidence) + retest_section(evidence, pngs)
-            + per_prompt_section(evidence, problems, pngs)
+            + guard_drift_section(evidence) + per_prompt_section(evidence, problems, pngs)
             + completions_section(evidence, list(eval_records), problems)
             + training_section(evidence, pngs) + inputs_section(evidence, manifest)
             + "</body></html>\n")

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from grpogate.config import MAX_REWARD_VALUE, MAX_REWARD_WEIGHT
+from grpogate.config import BUILT_IN_REWARDS, MAX_REWARD_VALUE, MAX_REWARD_WEIGHT
 from grpogate.errors import InputError
+from grpogate.evidence.manifest import GUARD_FILE
 from grpogate.inputs.rewards import (CORRECTNESS, TRL_SIGNATURE_SUFFIX, RewardSet,
                                      reward_set_from_config,
                                      user_reward_names, user_reward_origin, user_reward_version)
@@ -37,7 +38,8 @@ ANNOUNCE_AFTER_SECONDS = 30.0  # a worst case past this is announced before the 
 def record_limits(config: dict) -> dict[str, int]:
     """The most records a real run of `config` writes: trajectories, steps x prompts_per_step x
     group_size x generation rounds (dynamic sampling refills at most a step's prompts per round);
-    the re-test, both policies x eval_prompts x eval_group_size. InputError when a count the
+    the re-test, both policies x eval_prompts x eval_group_size; the guard set, both policies x
+    its prompts x its group size. InputError when a count the
     bound is made of is not a positive integer."""
     def count(key: str, default: Any = None) -> int:
         value = config.get(key, default)
@@ -48,8 +50,13 @@ def record_limits(config: dict) -> dict[str, int]:
 
     rounds = count("max_generation_rounds", 1) if config.get("dynamic_sampling") is True else 1
     steps = count("train_prompts") // count("prompts_per_step")
+    guard = config.get("guard") if isinstance(config.get("guard"), dict) else {}
+    guard_size = [guard.get(key) for key in ("prompts", "group_size")]
     return {"trajectories.jsonl": steps * count("prompts_per_step") * count("group_size") * rounds,
-            "eval_completions.jsonl": 2 * count("eval_prompts") * count("eval_group_size")}
+            "eval_completions.jsonl": 2 * count("eval_prompts") * count("eval_group_size"),
+            # both policies on the guard set; none when the guard is off or its size unreadable
+            GUARD_FILE: (2 * guard_size[0] * guard_size[1]
+                         if all(type(n) is int and n > 0 for n in guard_size) else 0)}
 
 
 def refuse_excess_records(config: dict, counts: dict[str, int]) -> None:
@@ -173,3 +180,31 @@ def describe(reward_set: RewardSet | None, plan: RescorePlan) -> dict:
     return {"components_rescored": [name for name in names if name not in as_recorded],
             "components_as_recorded": as_recorded, "records": plan.records,
             "records_rescored": plan.rescored, "sample_seed": plan.seed}
+
+
+def rescored_reward(audit, where: str, record: dict, reference: str, verifier,
+                     reward_set, sampled: bool, question: str = "") -> float:
+    """The record's reward recomputed: the verifier's (re-run when `sampled`, else as recorded)
+    alone, or with `reward_set` the weighted total of every component, the components compared
+    with the recorded ones. Values taken as recorded must be numbers within the value bound."""
+    recorded = record.get("rewards") if isinstance(record.get("rewards"), dict) else {}
+    if sampled:
+        correctness = verifier.score(record.get("completion"), reference)
+    elif reward_set is not None:
+        correctness = recorded_value(audit, f"{where} rewards.correctness",
+                                     recorded.get("correctness"))
+    else:
+        correctness = recorded_value(audit, f"{where} reward", record.get("reward"))
+    if reward_set is None:
+        return correctness
+    taken = [name for name in reward_set.weights if name not in BUILT_IN_REWARDS
+             and (name in reward_set.as_recorded or not sampled)]
+    # A user component may record None ("not applicable", a TRL-style function's answer).
+    values = {name: recorded_value(audit, f"{where} rewards.{name}", recorded.get(name),
+                                   allow_none=True) for name in taken}
+    tokens = record.get("completion_tokens")
+    components = reward_set.score(record.get("completion"), reference,
+                                  tokens if isinstance(tokens, int) else 0, correctness,
+                                  question=question, recorded=values, taken=taken)
+    audit.compare(f"{where} rewards", record.get("rewards"), components)
+    return reward_set.total(components)

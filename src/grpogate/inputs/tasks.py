@@ -266,15 +266,18 @@ def check_problem_set(problems: list[Problem], set_name: str) -> None:
         first_source[problem.prompt_id] = problem.source
 
 
-def check_isolation(train: list[Problem], eval: list[Problem]) -> None:
-    """Eval prompts must be unseen in training, or the re-test measures memorization."""
+def check_isolation(train: list[Problem], eval: list[Problem],
+                    names: tuple[str, str] = ("train", "eval")) -> None:
+    """Eval prompts must be unseen in training, or the re-test measures memorization (and a
+    guard prompt must be neither: `names` then says which sets were compared)."""
     eval_sources = {p.prompt_id: p.source for p in eval}
     overlap = [p for p in train if p.prompt_id in eval_sources]
     if overlap:
         first = overlap[0]
         raise InputError(
-            f"train and eval sets share {len(overlap)} prompt(s); first: prompt id {first.prompt_id} "
-            f"(train {first.source}, eval {eval_sources[first.prompt_id]})"
+            f"{names[0]} and {names[1]} sets share {len(overlap)} prompt(s); first: prompt id "
+            f"{first.prompt_id} ({names[0]} {first.source}, {names[1]} "
+            f"{eval_sources[first.prompt_id]})"
         )
 
 
@@ -329,21 +332,45 @@ def load_problem_sets(task, train_prompts: int, eval_prompts: int, train_source:
     return train, train_id, eval_set, eval_id
 
 
+def load_guard_set(guard, train: list[Problem], eval_set: list[Problem]
+                   ) -> tuple[list[Problem], dict]:
+    """The re-test's guard problems (`guard` has the fields of `config.GuardConfig`): drawn from
+    its reasoning-gym task, skipping every train and eval prompt id, so a guard prompt is never
+    one the update saw or the eval set scores. ([], {"enabled": False}) when the guard is off."""
+    if guard.prompts <= 0:
+        return [], {"enabled": False}
+    problems, identity = load_reasoning_gym(guard.task, guard.params, guard.prompts, guard.seed,
+                                            frozenset(p.prompt_id for p in train + eval_set))
+    check_problem_set(problems, "guard")
+    check_isolation(problems, train + eval_set, ("guard", "train + eval"))
+    identity["problem_set_sha256"] = problem_set_hash(problems)
+    return problems, {"enabled": True, **identity}
+
+
 # ---------------------------------------------------------------- the stored problems
 
 
-def problem_records(task, train: list[Problem], eval_set: list[Problem]) -> list[dict]:
+def problem_records(task, train: list[Problem], eval_set: list[Problem],
+                    guard=None, guard_set: list[Problem] = ()) -> list[dict]:
     """problems.jsonl: every problem of the run with its split, question, reference answer and
     task, so a reader (and `grpogate decide`) can re-score every completion with no task
-    generator or dataset at hand. `task` has the fields of `config.TaskConfig`."""
+    generator or dataset at hand. `task` has the fields of `config.TaskConfig`; the guard
+    problems (split "guard") carry their own task (`guard`: `config.GuardConfig`)."""
     origin = {"source": task.source}
     if task.source == "gsm8k":
         origin |= {"path": task.path}
     else:
         origin |= {"name": task.name, "params": dict(task.params)}
-    return [{"prompt_id": problem.prompt_id, "split": split, "question": problem.question,
-             "reference": problem.reference, "origin": problem.source, "task": origin}
-            for split, problems in (("train", train), ("eval", eval_set)) for problem in problems]
+    records = [{"prompt_id": problem.prompt_id, "split": split, "question": problem.question,
+                "reference": problem.reference, "origin": problem.source, "task": origin}
+               for split, problems in (("train", train), ("eval", eval_set))
+               for problem in problems]
+    if guard_set:
+        guard_origin = {"source": "reasoning-gym", "name": guard.task, "params": dict(guard.params)}
+        records += [{"prompt_id": problem.prompt_id, "split": "guard",
+                     "question": problem.question, "reference": problem.reference,
+                     "origin": problem.source, "task": guard_origin} for problem in guard_set]
+    return records
 
 
 def problems_from_records(records: list[tuple[int, dict]], where: str,
@@ -354,20 +381,32 @@ def problems_from_records(records: list[tuple[int, dict]], where: str,
     is refused (InputError naming the line), as is a set that fails the run's own set checks.
     `allow_empty_train`: a run gated from another trainer whose training prompts were not given.
     """
-    sets: dict[str, list[Problem]] = {"train": [], "eval": []}
+    sets = stored_sets(records, where, allow_empty_train)
+    return sets["train"], sets["eval"]
+
+
+def stored_sets(records: list[tuple[int, dict]], where: str,
+                allow_empty_train: bool = False) -> dict[str, list[Problem]]:
+    """{"train", "eval", "guard"} problem lists from problems.jsonl's records, checked as the
+    run checks them: ids recomputed, no repeats, and no guard or train prompt in the eval set
+    nor a guard prompt in the train set (an empty guard list: the guard was off)."""
+    sets: dict[str, list[Problem]] = {"train": [], "eval": [], "guard": []}
     for number, record in records:
         question, reference = record.get("question"), record.get("reference")
         split = record.get("split")
         if not isinstance(question, str) or not isinstance(reference, str) or split not in sets:
             raise InputError(f"{where}:{number}: needs string question and reference and split "
-                             "train or eval")
+                             "train, eval or guard")
         if record.get("prompt_id") != prompt_id(question):
             raise InputError(f"{where}:{number}: prompt_id {record.get('prompt_id')!r} is not "
                              f"the hash of its question ({prompt_id(question)})")
         sets[split].append(Problem(prompt_id(question), question, reference,
                                    str(record.get("origin", ""))))
     for split, problems in sets.items():
-        if problems or split == "eval" or not allow_empty_train:
+        # The guard list is empty when the guard was off; the train list when a run gated from
+        # another trainer was not given its training prompts (`allow_empty_train`).
+        if problems or split == "eval" or (split == "train" and not allow_empty_train):
             check_problem_set(problems, split)
     check_isolation(sets["train"], sets["eval"])
-    return sets["train"], sets["eval"]
+    check_isolation(sets["guard"], sets["train"] + sets["eval"], ("guard", "train + eval"))
+    return sets

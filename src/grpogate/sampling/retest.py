@@ -19,6 +19,7 @@ from grpogate.inputs.policy import Policy, sampling_weights
 from grpogate.inputs.tasks import Problem
 from grpogate.interrupts import StopRequest
 from grpogate.sampling.decoding import shared_prefix_length
+from grpogate.sampling.drift import measure_drift
 from grpogate.sampling.rollout import (SamplingSettings, generate_completions, sampling_settings,
                                        score_completions, trace_id)
 
@@ -27,13 +28,17 @@ def evaluate_policy(model, tokenizer, problems: list[Problem], prompt_token_ids:
                     *, policy_name: str, policy_version: str, verifier, group_size: int,
                     settings: SamplingSettings, seed: int, mode=contextlib.nullcontext,
                     advance=None, prompt_indexes: list[int] | None = None,
-                    shared_prefix: int | None = None) -> list[dict]:
+                    shared_prefix: int | None = None, trace_prefix: str = "eval",
+                    keep: list | None = None) -> list[dict]:
     """Sample `group_size` fresh completions per eval prompt under `mode` and score them;
-    `prompt_indexes`: the prompts' indexes in the eval set (their seeds; default 0, 1, ...)."""
+    `prompt_indexes`: the prompts' indexes in the eval set (their seeds; default 0, 1, ...).
+    `keep`: a list the completions (with their token ids) are also appended to."""
     with mode():
         completions = generate_completions(model, tokenizer, prompt_token_ids, group_size,
                                            settings, seed, advance, prompt_indexes=prompt_indexes,
                                            shared_prefix=shared_prefix)
+    if keep is not None:
+        keep += completions
     rewards = score_completions(completions, problems, verifier)
     records = []
     for completion, reward in zip(completions, rewards):
@@ -43,7 +48,8 @@ def evaluate_policy(model, tokenizer, problems: list[Problem], prompt_token_ids:
             "policy_version": policy_version,
             "prompt_id": problem.prompt_id,
             "sample_index": completion.sample_index,
-            "trace_id": trace_id(f"eval-{policy_name}", 0, problem.prompt_id, completion.sample_index),
+            "trace_id": trace_id(f"{trace_prefix}-{policy_name}", 0, problem.prompt_id,
+                                 completion.sample_index),
             "seed": seed,
             "verifier_version": verifier.version,
             "completion": completion.text,
@@ -57,34 +63,49 @@ def evaluate_policy(model, tokenizer, problems: list[Problem], prompt_token_ids:
 def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]], verifier,
                 config: RunConfig, candidate_version: str, reporter,
                 stop: StopRequest, world: World = SINGLE,
-                shared_prefix: int | None = None) -> tuple[list[dict], int] | None:
+                shared_prefix: int | None = None, *, group_size: int | None = None,
+                label: str = "re-test", drift: bool = False) -> tuple[list[dict], int] | None:
     """Fresh completions of the baseline, then the candidate, on the encoded eval prompts with
     the same seed; returns the records and the verifier errors (of every rank). None when a
     stop was requested (on any rank) before either policy's pass (a safe point).
     `shared_prefix` defaults to the common prefix of all `prompts` (see generate_completions);
-    a caller re-testing a part of the eval set passes the whole set's."""
-    records: list[dict] = []
+    a caller re-testing a part of the eval set passes the whole set's. `group_size` (default
+    eval_group_size) and `label` ("re-test", or "guard": its trace ids and progress line) serve
+    the guard set; `drift` adds each completion's entropy and the candidate's KL to the
+    baseline (sampling/drift.py) to its record."""
+    group_size = group_size or config.eval_group_size
     errors_before = verifier.error_count
     positions = shard(len(prompts), world)
     if shared_prefix is None:
         shared_prefix = shared_prefix_length(prompts) if prompts else 0
+    mine: dict[str, tuple[list[dict], list]] = {}
     for name, version, mode in (
             ("baseline", policy.baseline_version, lambda: sampling_weights(policy, baseline=True)),
             ("candidate", candidate_version, lambda: sampling_weights(policy))):
         if agree_stop(world, stop):
             return None
-        with reporter.task(f"re-test {name}", len(prompts) * config.eval_group_size) as advance:
-            mine = evaluate_policy(
+        completions: list = []
+        with reporter.task(f"{label} {name}", len(prompts) * group_size) as advance:
+            records = evaluate_policy(
                 policy.model, policy.tokenizer, [problems[k] for k in positions],
                 [prompts[k] for k in positions], policy_name=name,
-                policy_version=version, verifier=verifier, group_size=config.eval_group_size,
+                policy_version=version, verifier=verifier, group_size=group_size,
                 settings=sampling_settings(config), seed=eval_seed(config.seed),
                 mode=mode, advance=advance, prompt_indexes=positions,
-                shared_prefix=shared_prefix)
-            records += _gathered(world, mine, positions, config.eval_group_size)
-            advance(len(prompts) * config.eval_group_size - len(mine))
+                shared_prefix=shared_prefix, trace_prefix="eval" if label == "re-test" else label,
+                keep=completions)
+            advance(len(prompts) * group_size - len(records))
+        mine[name] = (records, completions)
+    if drift:
+        values = measure_drift(policy, mine["baseline"][1], mine["candidate"][1],
+                               config.temperature)
+        for (records, _), measured in zip(mine.values(), values):
+            for record, extra in zip(records, measured):
+                record.update(extra)
+    gathered = [r for name in ("baseline", "candidate")
+                for r in _gathered(world, mine[name][0], positions, group_size)]
     errors = world.all_gather_object(verifier.error_count - errors_before)
-    return records, sum(errors)
+    return gathered, sum(errors)
 
 
 def _gathered(world: World, mine: list[dict], positions: list[int], group_size: int) -> list[dict]:

@@ -1,0 +1,119 @@
+"""How far the update moved the policy, measured on the re-test's fresh completions.
+
+For every candidate completion: the mean over its tokens of the exact KL(candidate || baseline)
+of the next-token distributions, sum_v p_c(v) (log p_c(v) - log p_b(v)), each softmax(logits /
+temperature) — the distribution the re-test samples from (top_k / top_p / min_p off, the
+default). Exact rather than the k3 estimate the update's per-step KL uses: both have the same
+expectation on the candidate's own samples, but with the full distributions at hand the exact
+value carries no per-token sampling noise. For every completion of either policy: that policy's
+own mean per-token entropy (before / after). `evidence/guard.py` reduces the per-completion
+values to the run's token-weighted means.
+
+Forward passes only, no gradient, with each policy's LoRA merged (`sampling_weights`): a few
+prompts' completions are forwarded under the candidate, then the baseline, so only their full
+distributions are held at a time; each forward is one prompt's completions, the prompt's
+prefix cached once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpogate.inputs.policy import Policy, sampling_weights
+from grpogate.sampling.decoding import (WIDTH_BUCKET, cache_keyword, round_up,
+                                       shared_prefix_length)
+
+# Prompts whose full distributions are held between the candidate's and the baseline's
+# forwards: 8 groups x G 4 x ~10 tokens x 49k float32 is about 60 MB.
+SWAP_GROUPS = 8
+
+
+def _log_softmax_rows(model, completions: list, pad_id: int, temperature: float
+                      ) -> list[torch.Tensor]:
+    """One [tokens_i, V] float32 log-softmax(logits / temperature) per completion, at the
+    positions that predict its tokens. The prefix every prompt shares (system prompt, chat
+    template: most of a re-test prompt) is forwarded once and its KV cache repeated for the
+    batch; each sequence's rest (prompt suffix + completion) follows, right-padded."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    shared = shared_prefix_length([list(c.prompt_token_ids) for c in completions])
+    rests = [list(c.prompt_token_ids[shared:]) + list(c.completion_token_ids)
+             for c in completions]
+    width = round_up(max(len(r) for r in rests), WIDTH_BUCKET)
+    ids = torch.full((len(rests), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rests), shared + width), dtype=torch.long)
+    mask[:, :shared] = 1
+    for row, rest in enumerate(rests):
+        ids[row, :len(rest)] = torch.tensor(rest, dtype=torch.long)
+        mask[row, shared:shared + len(rest)] = 1
+    extra = {}
+    if shared:
+        extra = {cache_keyword(model): DynamicCache(config=model.config)}
+        prefix = torch.tensor([list(completions[0].prompt_token_ids[:shared])], device=device)
+        model(input_ids=prefix, use_cache=True, logits_to_keep=1, **extra)
+        extra[cache_keyword(model)].batch_repeat_interleave(len(rests))
+    positions = shared + torch.arange(width, device=device)[None].expand(len(rests), -1)
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                   position_ids=positions, use_cache=bool(shared), **extra).logits
+    rows = []
+    for row, completion in enumerate(completions):
+        # Completion token j sits at rest column len(suffix) + j, predicted one column before.
+        first = len(completion.prompt_token_ids) - shared - 1
+        picked = logits[row, first:first + len(completion.completion_token_ids)].float()
+        rows.append(torch.log_softmax(picked / temperature, dim=-1))
+    return rows
+
+
+def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
+def _groups(completions: list) -> list[list]:
+    """Consecutive completions of one prompt (the re-test samples G per prompt in order)."""
+    groups: list[list] = []
+    for completion in completions:
+        if groups and groups[-1][0].prompt_index == completion.prompt_index:
+            groups[-1].append(completion)
+        else:
+            groups.append([completion])
+    return groups
+
+
+@torch.no_grad()
+def measure_drift(policy: Policy, baseline: list, candidate: list, temperature: float
+                  ) -> tuple[list[dict], list[dict]]:
+    """({"entropy"} per baseline completion, {"entropy", "kl_to_baseline"} per candidate
+    completion), each a mean over the completion's tokens (0.0 for an empty completion).
+
+    Each forward holds one prompt's completions, so a completion's values never depend on
+    which other prompts a process re-tests: one process and a torchrun shard record the same
+    numbers. The LoRA is merged once per SWAP_GROUPS groups, not per forward."""
+    pad_id = policy.tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = policy.tokenizer.eos_token_id
+
+    def rows(group: list) -> list[torch.Tensor]:
+        return _log_softmax_rows(policy.model, group, pad_id, temperature)
+
+    baseline_values, candidate_values = [], []
+    groups = _groups(baseline)
+    for start in range(0, len(groups), SWAP_GROUPS):
+        with sampling_weights(policy, baseline=True):
+            baseline_values += [{"entropy": _mean(_entropy(r))}
+                                for group in groups[start:start + SWAP_GROUPS] for r in rows(group)]
+    groups = _groups(candidate)
+    for start in range(0, len(groups), SWAP_GROUPS):
+        chunk = groups[start:start + SWAP_GROUPS]
+        with sampling_weights(policy):
+            mine = [r for group in chunk for r in rows(group)]
+        with sampling_weights(policy, baseline=True):
+            reference = [r for group in chunk for r in rows(group)]
+        for own, base in zip(mine, reference):
+            kl = (own.exp() * (own - base)).sum(-1)
+            candidate_values.append({"entropy": _mean(_entropy(own)), "kl_to_baseline": _mean(kl)})
+    return baseline_values, candidate_values
+
+
+def _mean(values: torch.Tensor) -> float:
+    return float(values.double().mean()) if values.numel() else 0.0
