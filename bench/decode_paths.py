@@ -36,7 +36,7 @@ def load_workload(args):
     import torch
 
     from grpogate.config import load_config
-    from grpogate.pipeline import load_problem_sets
+    from grpogate.admission import load_problem_sets
     from grpogate.sampling.rollout import sampling_settings
     from grpogate.inputs.policy import default_cache_dir, load_policy, resolve_base_model
     from grpogate.sampling.rollout import encode_prompts

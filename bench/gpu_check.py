@@ -1,5 +1,5 @@
 """The GPU check: a random-weight model of Qwen2.5-0.5B-Instruct's shape through the whole
-pipeline at SPEC §5's sizes, recording seconds per stage, generation tokens/s, effective
+pipeline at the reference profile's sizes (docs/design.md §13), recording seconds per stage, generation tokens/s, effective
 trajectories/s and peak allocated / reserved GPU memory next to the published 7.0 / 9.5 GiB.
 
     python bench/gpu_check.py --tokenizer DIR --gsm8k DIR --out DIR [--tiny]

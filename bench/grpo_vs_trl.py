@@ -13,7 +13,7 @@ prompt by prompt. The generation ideal (decode-step matrix products only) is tim
 Timing definitions, the same for both systems: a step is one rollout + reward + update (wall
 clock, from the start of generation to the end of the optimizer step); effective trajectories are
 valid groups (rewards not all equal) x G; generation tokens count completion tokens up to and
-including EOS. grpogate's effective trajectories/s is its evidence's own figure (SPEC §2: ÷ rollout
+including EOS. grpogate's effective trajectories/s is its evidence's own figure (docs/design.md §3: ÷ rollout
 + update seconds); TRL's divides by its whole step seconds. Both systems' figure over wall-clock
 step seconds is in the JSON as well (`effective_trajectories_per_second_ratio_wall`).
 
@@ -73,7 +73,7 @@ def build_config(spec: dict, out: str = ""):
 
 
 def problem_sets(config) -> tuple[list, list, dict]:
-    from grpogate.pipeline import load_problem_sets
+    from grpogate.admission import load_problem_sets
 
     train, train_id, eval_set, eval_id = load_problem_sets(config)
     return train, eval_set, {"train_sha256": train_id["problem_set_sha256"],
@@ -147,7 +147,7 @@ def run_grpogate(spec: dict, out_dir: Path) -> dict:
         "system": "grpogate", "status": evidence["status"],
         "decision": (evidence.get("decision") or {}).get("decision"), "steps": steps,
         "generation_tokens_per_second": evidence["rollout"]["generation_tokens_per_second"],
-        # grpogate's own definition (SPEC §2): effective trajectories / (rollout + update seconds).
+        # grpogate's own definition (docs/design.md §3): effective trajectories / (rollout + update seconds).
         "effective_trajectories_per_second": evidence["effective_trajectories_per_second"],
         "effective_trajectory_count": evidence["effective_trajectory_count"],
         "peak_rss_bytes": clock.training_peak_rss or evidence["resources"]["peak_rss_bytes"],

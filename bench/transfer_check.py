@@ -75,10 +75,10 @@ def shifted(config, overrides: list[str], eval_prompts: int | None):
 
 def paired_gain(config, run_dir: Path, evidence: dict) -> dict:
     """Baseline and candidate on `config`'s eval set, same seed, paired per prompt."""
-    from grpogate.evidence.assemble import EVAL_SEED_OFFSET
-    from grpogate.standalone_eval import compare_evaluations, evaluate_standalone
+    from grpogate.seeding import eval_seed
+    from grpogate.review.standalone_eval import compare_evaluations, evaluate_standalone
 
-    seed = config.seed + EVAL_SEED_OFFSET
+    seed = eval_seed(config.seed)
     baseline = evaluate_standalone(config, "baseline", seed, skip_run=str(run_dir))
     adapter = run_dir / (evidence.get("artifact") or {}).get("path", "adapter")
     candidate_config = dataclasses.replace(config, adapter=str(adapter), baseline_manifest="")

@@ -153,7 +153,7 @@ def run_trl(config, train: list, load_dir: str, settings: dict, out_dir: Path,
         "scale_rewards": args.scale_rewards, "steps": steps,
         "generation_tokens_per_second": (sum(st["generated_tokens"] for st in steps) / generation_seconds
                                          if generation_seconds > 0 else 0.0),
-        # SPEC §2's definition, with TRL's whole step (it has no separate stage timers).
+        # docs/design.md §3's definition, with TRL's whole step (it has no separate stage timers).
         "effective_trajectories_per_second": effective / train_seconds if train_seconds > 0 else 0.0,
         "effective_trajectory_count": effective,
         "peak_rss_bytes": training_peak_rss, "adapter": str(adapter),

@@ -72,7 +72,7 @@ def _regenerated_train_set(run_dir):
     """The train problems of a run without problems.jsonl: its task, sizes and seed as its
     evidence records them (prompt ids are question hashes, so a mismatch cannot pass)."""
     from grpogate.config import load_config
-    from grpogate.pipeline import load_problem_sets
+    from grpogate.admission import load_problem_sets
 
     recorded = json.loads((run_dir / "evidence.json").read_text())["config"]
     task = recorded["task"]
@@ -90,7 +90,7 @@ def _regenerated_train_set(run_dir):
 def sampled_rollouts(policy, config, steps: int) -> list[tuple[list, list, list]]:
     from grpogate.inputs.policy import sampling_weights
     from grpogate.inputs.verifiers import get_verifier
-    from grpogate.pipeline import load_problem_sets
+    from grpogate.admission import load_problem_sets
     from grpogate.sampling.decoding import make_stepper
     from grpogate.sampling.rollout import encode_prompts, generate_completions, sampling_settings
 
@@ -167,7 +167,7 @@ def ideal_seconds(linear_shapes, micro_batches: list[tuple[int, int]], passes: i
     gradient), `passes` - 1 forwards and one input gradient. Best round counts."""
     import torch
 
-    from grpogate.sampling.decoding import bf16_kernels_available, linear
+    from grpogate.sampling.lean_weights import bf16_kernels_available, linear
 
     dtypes = [torch.float32] + ([torch.bfloat16] if bf16_kernels_available() else [])
     generator = torch.Generator().manual_seed(0)

@@ -109,6 +109,8 @@ def _guard_records(guard_set, guard_rewards: dict, versions: dict, verifier, see
     return records
 
 
+
+
 def write_synthetic_run(root: Path, guard_rewards: dict | None = None, **gates) -> Path:
     """Write data and a finished run under `root`; returns the run directory. `guard_rewards`:
     {"baseline": [[r, ...] per guard prompt], "candidate": [...]} turns the guard on."""

@@ -212,7 +212,7 @@ def test_audit_and_compare_do_not_import_torch(run_dir):
 
     code = ("import sys\n"
             "from grpogate.evidence.audit import audit_run\n"
-            "import grpogate.standalone_eval\n"
+            "import grpogate.review.standalone_eval\n"
             f"assert audit_run({str(run_dir)!r})['agrees']\n"
             "assert 'torch' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -159,7 +159,7 @@ def test_the_ideal_times_every_kernel_the_decoder_can_use_and_keeps_the_fastest(
     import torch
     from decode_ideal import measure_ideal
 
-    from grpogate.sampling.decoding import can_prepack
+    from grpogate.sampling.lean_weights import can_prepack
 
     ideal = measure_ideal(str(tiny_model_dir), 4, torch.get_num_threads(), round_seconds=0.01)
     kernels = {(m["dtype"], m["kernel"]) for m in ideal["by_kernel"]}

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from grpogate.cli import app
 from grpogate.config import RunConfig, load_config
-from grpogate.config_keys import KEY_HELP, describe_config
-from grpogate.terminal import gates_table, human_bytes
+from grpogate.config.keys import KEY_HELP, describe_config
+from grpogate.cli.terminal import gates_table, human_bytes
 
 runner = CliRunner()
 
@@ -129,7 +129,7 @@ def test_library_noise_is_quiet_and_grpogates_own_lines_are_shown(tiny_model_dir
 
     from transformers import AutoModelForCausalLM
 
-    from grpogate.terminal import quiet_libraries
+    from grpogate.cli.terminal import quiet_libraries
 
     quiet_libraries()
     with warnings.catch_warnings(record=True) as caught:

@@ -1,4 +1,4 @@
-"""Decisions: the SPEC §4 cases with hand-computed values, the decision matrices, gate
+"""Decisions: the reference cases with hand-computed values, the decision matrices, gate
 validation, and that junk evidence fails checks instead of crashing."""
 
 import copy
@@ -24,7 +24,7 @@ from grpogate.errors import InputError
 
 SHA = "0123456789abcdef" * 4
 
-# SPEC §4 reference gates.
+# The reference gates.
 GATES = {
     "minimum_valid_group_ratio": 0.25,
     "minimum_effective_trajectories_per_second": 1.0,
@@ -37,7 +37,7 @@ GATES = {
 
 
 def reference_evidence():
-    """SPEC §4 reference case, plus the whole-run fields (contract, eval truncation, artifact)."""
+    """The reference case, plus the whole-run fields (contract, eval truncation, artifact)."""
     return {
         "status": "ok",
         "contract": {"admitted": True, "failed_checks": []},

@@ -152,7 +152,7 @@ def test_transfer_check_pairs_baseline_and_adapter_on_unseen_problems(tiny_confi
 
     from grpogate.inputs.tasks import load_eval_set
     from grpogate.pipeline import run
-    from grpogate.standalone_eval import trained_prompt_ids
+    from grpogate.review.standalone_eval import trained_prompt_ids
 
     config = tiny_config(tmp_path)
     evidence = run(config)

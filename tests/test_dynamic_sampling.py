@@ -20,7 +20,7 @@ import pytest
 from helpers import sha256
 from test_resume import strip_volatile
 
-from grpogate import pipeline
+from grpogate import admission, pipeline
 from grpogate.evidence.audit import audit_run
 from grpogate.files import read_jsonl
 from grpogate.training import loop as training
@@ -32,7 +32,7 @@ SIZES = dict(train_prompts=12, prompts_per_step=4, group_size=4, eval_prompts=2,
 
 
 def scripted(config, monkeypatch):
-    train, _, _, _ = pipeline.load_problem_sets(config)
+    train, _, _, _ = admission.load_problem_sets(config)
     position = {problem.prompt_id: index for index, problem in enumerate(train)}
 
     def score(completions, problems, verifier):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import alternating_rewards
 
-from grpogate import pipeline
+from grpogate import admission, pipeline
 from grpogate.training import loop as training
 from grpogate.training import objectives
 from grpogate.training import update as update_module
@@ -83,7 +83,7 @@ class ExplodingScorer:
 
 def test_verifier_exceptions_score_zero_and_are_counted_per_stage(tiny_config, tmp_path,
                                                                   monkeypatch):
-    real_get_verifier = pipeline.get_verifier
+    real_get_verifier = admission.get_verifier
 
     def exploding(name):
         verifier = real_get_verifier(name)
@@ -92,7 +92,7 @@ def test_verifier_exceptions_score_zero_and_are_counted_per_stage(tiny_config, t
 
     # Every completion reaches the scorer (the random model rarely writes a number).
     monkeypatch.setattr("grpogate.inputs.verifiers.extract_final_answer", lambda completion: "7")
-    monkeypatch.setattr(pipeline, "get_verifier", exploding)
+    monkeypatch.setattr(admission, "get_verifier", exploding)
     evidence = pipeline.run(tiny_config(tmp_path, eval_prompts=2))
     assert evidence["rollout"]["verifier_errors"] == 4 * 4  # 4 train prompts x G = 4
     assert evidence["comparison"]["verifier_errors"] == 2 * 2 * 2  # 2 policies x 2 prompts x 2

@@ -146,7 +146,7 @@ def user_reward_run(tiny_config, tmp_path_factory, marker_module) -> tuple[Path,
     """A real tiny run trained on correctness + the marker module's reward (imported here, with
     no marker set); its checkpoints are kept, and a copy without the manifest is a killed run
     that `--resume` could continue. Returns (finished run, resumable copy)."""
-    from grpogate import pipeline
+    from grpogate import delivery, pipeline
 
     root = tmp_path_factory.mktemp("user-reward-run")
     sys.path.insert(0, str(marker_module))
@@ -154,7 +154,7 @@ def user_reward_run(tiny_config, tmp_path_factory, marker_module) -> tuple[Path,
         config = tiny_config(root, f'rewards=[{{name = "correctness", weight = 1.0}}, '
                                    f'{{name = "{REWARD}", weight = 0.5}}]')
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(pipeline, "remove_checkpoints", lambda run_dir: None)
+            patch.setattr(delivery, "remove_checkpoints", lambda run_dir: None)
             evidence = pipeline.run(config)
     finally:
         sys.path.remove(str(marker_module))
@@ -416,7 +416,7 @@ def test_a_run_failing_before_its_first_checkpoint_leaves_nothing(tiny_model_dir
     def overflow(*args, **kwargs):
         raise OverflowError("math range error")
 
-    monkeypatch.setattr(pipeline, "train_policy", overflow)
+    monkeypatch.setattr(pipeline, "train", overflow)  # the training stage
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["run", "--profile", "smoke", "--model", str(tiny_model_dir),
                                       "--out", str(out), "--set", "train_prompts=2",

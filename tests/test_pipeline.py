@@ -18,7 +18,7 @@ import pytest
 from helpers import alternating_rewards, sha256
 
 from grpogate.evidence import decisions
-from grpogate import pipeline
+from grpogate import admission, pipeline
 from grpogate.training import loop as training
 from grpogate.config import load_config
 from grpogate.errors import InputError
@@ -244,7 +244,7 @@ def test_bad_baseline_manifests_are_refused(baseline_copy, tiny_config, tmp_path
 def test_dry_run_of_the_reference_profile_creates_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = load_config("gsm8k_qwen05b", overrides=[f"task.path={json.dumps(str(GSM8K_DIR))}"])
-    report = pipeline.dry_run(config)
+    report = admission.dry_run(config)
     assert report["train_prompts"] == 24 and report["eval_prompts"] == 12
     assert report["verifier"] == "gsm8k-final-number-v1"
     assert report["steps"] == 1

@@ -12,9 +12,9 @@ from grpogate import pipeline
 from grpogate.cli import app
 from grpogate.evidence.audit import audit_run
 from grpogate.evidence.manifest import build_manifest
-from grpogate import replay
+from grpogate.review import replay
 from grpogate.files import atomic_write_bytes, atomic_write_json, jsonl_bytes, read_jsonl
-from grpogate.replay import replay_prompt_count, replay_retest
+from grpogate.review.replay import replay_prompt_count, replay_retest
 
 
 def test_replay_reproduces_the_retest_and_catches_a_forged_completion(tiny_config, tmp_path,

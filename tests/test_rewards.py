@@ -13,7 +13,7 @@ from grpogate.config import RunConfig, load_config, validate
 from grpogate.errors import InputError
 from grpogate.inputs.rewards import (build_reward_set, format_reward, load_user_reward,
                                      soft_overlong_punishment)
-from grpogate.training.advantages import ADVANTAGE_EPS, build_update_batch
+from grpogate.training.advantages import ADVANTAGE_EPS, RewardComponents, build_update_batch
 
 EPS = ADVANTAGE_EPS  # 1e-4, as TRL / verl
 
@@ -74,8 +74,8 @@ def test_sum_then_normalize_by_hand():
     # totals t = c + 0.5 f + o = [1.5, 0, 0, 0]; mean 0.375; deviations [1.125, -0.375 x 3];
     # unbiased variance (1.265625 + 3 x 0.140625) / 3 = 0.5625, std 0.75.
     totals = [1.5, 0.0, 0.0, 0.0]
-    batch = build_update_batch([[1]] * 4, [[2]] * 4, totals, 4, components=GROUP,
-                               weights=WEIGHTS, aggregation="sum_then_normalize")
+    batch = build_update_batch([[1]] * 4, [[2]] * 4, totals, 4, components=RewardComponents(
+        values=GROUP, weights=WEIGHTS, aggregation="sum_then_normalize"))
     assert batch.advantages == pytest.approx(
         [1.125 / (0.75 + EPS), -0.375 / (0.75 + EPS), -0.375 / (0.75 + EPS),
          -0.375 / (0.75 + EPS)], abs=1e-12)
@@ -98,8 +98,8 @@ def test_normalize_then_sum_by_hand_normalizes_over_valid_groups_only():
     expected = [(x - mean) / (std + EPS) for x in s]
     totals = [1.5, 0.0, 0.0, 0.0] + [0.0] * 4
     components = GROUP + [[0.0, 0.0, 0.0]] * 4
-    batch = build_update_batch([[1]] * 8, [[2]] * 8, totals, 4, components=components,
-                               weights=WEIGHTS, aggregation="normalize_then_sum")
+    batch = build_update_batch([[1]] * 8, [[2]] * 8, totals, 4, components=RewardComponents(
+        values=components, weights=WEIGHTS, aggregation="normalize_then_sum"))
     assert batch.group_count == 1 and batch.advantages == pytest.approx(expected, abs=1e-12)
     # The two aggregations really differ here (else the test could not tell them apart).
     assert expected[1] != pytest.approx(-0.375 / (0.75 + EPS), abs=1e-3)
@@ -221,7 +221,7 @@ def test_the_step_contract_checks_every_components_version():
         "admitted": False, "failed_checks": ["reward_versions"]}
     assert check_step_contract(_records(expected, {"correctness": 1.0}), "pol", "v1", 2,
                                expected)["failed_checks"] == ["reward_versions"]
-    # Without expected versions the SPEC §4 contract is unchanged.
+    # Without expected versions the docs/design.md §5 contract is unchanged.
     assert check_step_contract(_records(other, values), "pol", "v1", 2)["admitted"] is True
 
 

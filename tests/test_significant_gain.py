@@ -1,5 +1,5 @@
-"""The `require_significant_gain` gate: on in the default profile (SPEC §3: `accept` on the
-default means a gain its re-test resolves), off in SPEC §5's profile and in a gates table that
+"""The `require_significant_gain` gate: on in the default profile (docs/design.md §6: `accept` on the
+default means a gain its re-test resolves), off in the reference profile and in a gates table that
 does not name it (the published gates keep their meaning); on, the reward and pass_at_group
 checks read the paired bootstrap lower bound. The run's output, `decide` and the report say
 which rule decided."""
@@ -23,7 +23,7 @@ GATES = {"minimum_valid_group_ratio": 0.25, "minimum_effective_trajectories_per_
 
 
 def evidence(reward_low=-0.05, pass_low=-0.25, paired=True):
-    """SPEC §4's reference case (eligible) whose gains 0.1 / 0.1 have intervals reaching below 0."""
+    """docs/design.md §5's reference case (eligible) whose gains 0.1 / 0.1 have intervals reaching below 0."""
     document = {
         "status": "ok", "contract": {"admitted": True, "failed_checks": []},
         "rollout": {"group_size": 4, "reward_groups": [[0, 1, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0],

@@ -11,7 +11,7 @@ from grpogate.evidence import metrics
 from grpogate.cli import app
 from grpogate.errors import InputError
 from grpogate.files import read_jsonl
-from grpogate.standalone_eval import (EVAL_FILE_KIND, compare_evaluations, evaluate_standalone,
+from grpogate.review.standalone_eval import (EVAL_FILE_KIND, compare_evaluations, evaluate_standalone,
                                       parse_policy_spec, parse_tasks_spec)
 
 
@@ -176,7 +176,7 @@ def test_exclude_run_refuses_eval_prompts_the_run_trained_on(tmp_path, monkeypat
     from grpogate.cli import app
     from grpogate.config import load_config
     from grpogate.inputs.tasks import load_eval_set
-    from grpogate.standalone_eval import refuse_trained_prompts
+    from grpogate.review.standalone_eval import refuse_trained_prompts
 
     config = load_config("default", eval_prompts=4)
     eval_set, _ = load_eval_set(config.task, 4)

@@ -199,7 +199,7 @@ def foreign_log(evidence: dict) -> dict:
 def test_a_grpogate_adapter_gated_as_foreign_retests_as_eval_and_compare(tiny_config, tmp_path,
                                                                          monkeypatch):
     from grpogate import pipeline
-    from grpogate.standalone_eval import compare_evaluations, evaluate_standalone
+    from grpogate.review.standalone_eval import compare_evaluations, evaluate_standalone
     from grpogate.trl_gate import GateRequest, gate as gate_run
     from grpogate.training import loop
 

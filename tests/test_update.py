@@ -24,7 +24,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, epsilon, beta, loss_ty
     denominator = loss_denominator(mask.sum(-1).long().tolist(), loss_type, 48)
     return aggregate_loss(per_token, mask, loss_type) / denominator
 
-# SPEC §4's reference groups.
+# The reference groups of the decision tests (test_decisions.py).
 REFERENCE_REWARDS = [[0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0],
                      [0.0, 0.0, 1.0, 1.0]]
 

@@ -1,4 +1,5 @@
-"""The stable public name of the three decision functions (SPEC §4, §4b), pure Python, no torch.
+"""The stable public name of the three decision functions (docs/design.md §5): pure Python,
+no torch.
 
 They live in `grpogate.evidence.decisions`; this module only re-exports them.
 """

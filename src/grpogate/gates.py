@@ -1,44 +1,62 @@
-"""The gate schema: the seven thresholds, the optional ones and the switches a decision reads,
-and their validation.
+"""The gate schema: the seven thresholds, the optional ones and the switch a decision reads, and
+their validation.
 
-Pure Python, below every wing: the configuration validates a gates table with it and the
-decisions read the same names.
+Pure Python, below every wing. `Gates` lists every gate once, with its default and why; the
+configuration's gates table is a `Gates`, and the decisions read the names derived from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from grpogate.errors import InputError
 
-GATE_NAMES = (
-    "minimum_valid_group_ratio",
-    "minimum_effective_trajectories_per_second",
-    "minimum_update_count",
-    "minimum_reward_gain",
-    "minimum_pass_at_group_gain",
-    "maximum_max_length_hit_ratio",
-    "maximum_peak_allocated_bytes",
-)
+
+@dataclass
+class Gates:
+    """Delivery gates (docs/design.md §6). Minimums and maximums are inclusive."""
+
+    minimum_valid_group_ratio: float = 0.20
+    # 0.5 effective trajectories/s on the 2-core CPU default; the GPU reference profile asks 1.0.
+    minimum_effective_trajectories_per_second: float = 0.5
+    minimum_update_count: float = 1
+    minimum_reward_gain: float = 0.0
+    minimum_pass_at_group_gain: float = 0.0
+    maximum_max_length_hit_ratio: float = 0.50
+    maximum_peak_allocated_bytes: float = 10 * 1024**3
+    # true (the default profile, docs/design.md §6): the reward and pass_at_group gates must be
+    # cleared by the 95 % paired bootstrap interval's lower bound, so `accept` means a gain the
+    # re-test resolves; false reads the point estimate (the reference profile's published
+    # gates, gsm8k_qwen05b.toml).
+    require_significant_gain: bool = True
+    # Optional gates: absent from an older gates table (and an older run's evidence), off, so
+    # those keep their decision. Both are >= 0.
+    # The candidate's mean per-token KL to the baseline on the re-test's fresh completions;
+    # 0 = off (the KL is still recorded). 1.0 nats per token is about 1.5 times the largest
+    # re-test KL of any searched setting that reached the default's gain on the development set
+    # (0.20 to 0.65; 48 steps at lr 2e-4, beta 0.04, the largest; docs/measurements.md): it
+    # tunes a run that drifts further than any of them needed.
+    maximum_retest_kl: float = 1.0
+    # The guard set may lose at most this much mean reward, read as the gain rule reads the
+    # gains: the guard gain's 95 % interval UPPER bound (significant) or the point estimate,
+    # below -maximum_guard_reward_loss; 0 = any significant loss.
+    maximum_guard_reward_loss: float = 0.0
+
+
+# Switches rather than thresholds: bools, optional in a gates table and off when absent, so a
+# table written for the reference profile (docs/design.md §13) keeps its meaning in the decision
+# functions. (A run's config always records the switch: the default profile sets it true, and a
+# --gates file that omits it keeps the profile's value.)
+SWITCH_GATE_NAMES = tuple(f.name for f in dataclasses.fields(Gates) if f.type in (bool, "bool"))
+OPTIONAL_GATE_NAMES = ("maximum_retest_kl", "maximum_guard_reward_loss")
+GATE_NAMES = tuple(f.name for f in dataclasses.fields(Gates)
+                   if f.name not in SWITCH_GATE_NAMES + OPTIONAL_GATE_NAMES)
 # A user may accept a small quality loss (e.g. -0.02); every other gate is a count, a ratio,
 # a rate or a size, for which a negative bound is a mistake.
 _SIGNED_GATES = frozenset({"minimum_reward_gain", "minimum_pass_at_group_gain"})
-# Switches rather than thresholds; optional, and off when absent, so a gates table written for
-# SPEC §5 keeps its meaning in the decision functions. (A run's config always records the
-# switch: the default profile sets it true, and a --gates file that omits it keeps the
-# profile's value.) require_significant_gain: the reward and pass_at_group checks read
-# the paired bootstrap interval's LOWER bound (evidence["comparison"]["paired"][gain]["low"])
-# instead of the point estimate, so a gain within sampling noise does not clear the gate.
-SWITCH_GATE_NAMES = ("require_significant_gain",)
-# Thresholds added after SPEC §4's seven; optional, and off when absent, so an older gates
-# table (and an older run's evidence) keeps its decision. Both are >= 0.
-# maximum_retest_kl: tune when the candidate's mean per-token KL to the baseline on the
-# re-test's fresh completions exceeds it; 0 = off (the KL is still recorded).
-# maximum_guard_reward_loss: tune when the candidate is worse on the guard set by more than
-# this: the guard gain's 95 % interval UPPER bound (or its point estimate, by the gain rule)
-# below -maximum_guard_reward_loss; 0 = any significant loss.
-OPTIONAL_GATE_NAMES = ("maximum_retest_kl", "maximum_guard_reward_loss")
 
 
 def finite_number(value: Any) -> int | float | None:

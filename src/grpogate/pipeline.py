@@ -1,10 +1,11 @@
 """One run: admission, rollout + update, independent re-test, delivery — each one call, in order.
 
-`_execute` reads as the stages: load the policy and encode the prompts, open the run directory
-(or reopen a killed one), train (training/loop.py checkpoints after every step), deliver the
-adapter, re-test both policies on the eval prompts, assemble the evidence from plain records
-(evidence/assemble.py, the function the audit calls too) and write it, the manifest last.
-Nothing is written before admission passes.
+`run` (or `resume`) admits (admission.py), then `_execute` reads as the stages: load the
+policy and encode the prompts, open the run directory (or reopen a killed one), train
+(training/loop.py checkpoints after every step), deliver the adapter, re-test both policies on
+the eval prompts, assemble the evidence from plain records (evidence/assemble.py, the function
+the audit calls too) and write it, the manifest last. Nothing is written before admission
+passes.
 
 `resume` continues a killed or interrupted run from its last checkpoint with the run's stored
 config and finishes it normally. SIGINT / SIGTERM stop a run at the next safe point: the
@@ -16,7 +17,8 @@ Under torchrun every rank runs these same stages (distributed.World says which r
 all load the policy, sample their shard and train their share; rank 0 alone creates, locks
 and writes the run directory, the others hand it what it writes through gathers; at the end
 all ranks check that they hold the same adapter, and rank 0's evidence is every rank's result.
-A worker group restarted by torchrun's elastic agent resumes its job's run (elastic.py).
+A worker group restarted by torchrun's elastic agent resumes its job's run
+(distributed/elastic.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import resource
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -34,35 +35,24 @@ from typing import Collection
 
 import torch
 
-from grpogate import elastic
+from grpogate.admission import Admission, admit, check_budget, run_dir_for
 from grpogate.config import RunConfig, resume_config
-from grpogate.distributed import SINGLE, StageClock, World, agree_stop
-from grpogate.errors import InputError, command, plain
+from grpogate.delivery import deliver_adapter, peak_memory, write_run_files
+from grpogate.distributed import SINGLE, StageClock, World, agree_stop, elastic
+from grpogate.errors import InputError, plain
 from grpogate.evidence.assemble import assemble_evidence, library_versions
-from grpogate.evidence.manifest import (GUARD_FILE, PROBLEMS_FILE, build_manifest,
-                                       read_baseline_manifest)
-from grpogate.evidence.trackers import Trackers, check_trackers
-from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, NullLog, RunDirLock, atomic_directory,
-                            atomic_write_bytes,
-                            atomic_write_json, create_run_dir, jsonl_bytes, read_jsonl,
-                            refuse_existing_output, refuse_output_inside_a_run, remove_staging,
-                            sha256_path)
+from grpogate.evidence.trackers import Trackers
+from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, NullLog, RunDirLock, create_run_dir,
+                            read_jsonl, remove_staging, sha256_path)
 from grpogate.inputs import tasks
-from grpogate.inputs.budget import check_output_writable
-from grpogate.inputs.policy import (Policy, check_adapter_dir, current_version, default_cache_dir,
-                                    load_policy, resolve_base_model, save_adapter,
-                                    trainable_parameters)
-from grpogate.inputs.rewards import RewardSet, reward_set_from_config, user_reward_names
-from grpogate.inputs.tasks import Problem
-from grpogate.inputs.verifiers import check_references, get_verifier
+from grpogate.inputs.policy import Policy, current_version, load_policy, trainable_parameters
+from grpogate.inputs.rewards import user_reward_names
 from grpogate.interrupts import RunInterrupted, StopRequest, stop_on_signals
-from grpogate.preflight import check_budget, dry_run_checks
 from grpogate.sampling.retest import retest_both
 from grpogate.sampling.rollout import encode_prompts
 from grpogate.training.checkpoint import (CHECKPOINTS, Checkpoint, CheckpointWriter,
                                           checkpoint_to_resume, latest_checkpoint,
-                                          never_checkpointed, remove_checkpoints,
-                                          restore_training_state)
+                                          never_checkpointed, restore_training_state)
 from grpogate.training.loop import Loop, LoopState, train
 
 
@@ -75,141 +65,6 @@ class NullReporter:
 
     def log(self, message: str) -> None:
         pass
-
-
-@dataclass
-class Admission:
-    """Everything frozen before the first completion is sampled."""
-
-    config: RunConfig
-    run_dir: Path
-    model_spec: str
-    model_revision: str
-    adapter: str
-    verifier: object
-    reward_set: RewardSet
-    train: list[Problem]
-    eval: list[Problem]
-    train_identity: dict
-    eval_identity: dict
-    baseline_version: str = ""  # what --baseline-manifest claims; the loaded policy must match
-    # The re-test's guard set (config [guard]; empty when off), its identity and own verifier.
-    guard: list[Problem] = field(default_factory=list)
-    guard_identity: dict = field(default_factory=lambda: {"enabled": False})
-    guard_verifier: object = None
-
-
-def run_dir_for(config: RunConfig) -> Path:
-    if config.out:
-        return Path(config.out)
-    label = config.label or f"{config.profile}-{datetime.now():%Y%m%d-%H%M%S}"
-    config.label = label
-    return Path("runs") / label
-
-
-def load_problem_sets(config: RunConfig) -> tuple[list[Problem], dict, list[Problem], dict]:
-    return tasks.load_problem_sets(config.task, config.train_prompts, config.eval_prompts)
-
-
-def admit(config: RunConfig, resume_dir: Path | None = None,
-          reward_code: Collection[str] | None = None) -> Admission:
-    """Check config, inputs and environment; raises InputError before anything is written.
-
-    A new run refuses an existing output path; a resumed run (`resume_dir`) reuses its own.
-    `reward_code`: the user rewards (`module:function`) the user named on this command line;
-    None when `config` is the user's own. A resumed run's config comes from its directory:
-    every user reward in it must be named again, or nothing of it is imported.
-    """
-    run_dir = resume_dir or run_dir_for(config)
-    if reward_code is not None:
-        refuse_unnamed_reward_code(config, reward_code, run_dir)
-    if resume_dir is None:
-        if not never_checkpointed(run_dir):  # one a killed run left is replaced (open_run)
-            refuse_existing_output(run_dir)
-        refuse_output_inside_a_run(run_dir)
-    check_output_writable(run_dir, 0)  # the room it needs is known once the model's shapes are
-    if config.tensorboard and Path(config.tensorboard).is_file():
-        raise InputError(f"tensorboard {config.tensorboard}: is a file; give a directory for the "
-                         "events files")
-    check_trackers(config)
-    model_spec, revision, adapter = config.model, config.model_revision, config.adapter
-    baseline_version = ""
-    if config.baseline_manifest:
-        baseline = read_baseline_manifest(config.baseline_manifest)
-        model_spec, revision, adapter = baseline["model"], baseline["revision"], baseline["adapter"]
-        baseline_version = baseline["policy_version"]
-    if adapter:
-        check_adapter_dir(adapter)
-    # Problems before the verifier: an unknown task name is then reported as the task's error.
-    train, train_id, eval_set, eval_id = load_problem_sets(config)
-    try:
-        verifier = get_verifier(config.resolved_verifier())
-    except ValueError as error:
-        raise InputError(f"verifier: {error}") from None
-    check_references(verifier, train + eval_set)
-    try:
-        reward_set = reward_set_from_config(config.to_dict(), verifier.version,
-                                            importable=reward_code)
-    except ValueError as error:
-        raise InputError(f"config: rewards: {error}") from None
-    guard, guard_id = tasks.load_guard_set(config.guard, train, eval_set)
-    guard_verifier = None
-    if config.guard.enabled:
-        try:
-            guard_verifier = get_verifier(config.guard.verifier())
-        except ValueError as error:
-            raise InputError(f"guard: {error}") from None
-    return Admission(config, run_dir, model_spec, revision, adapter, verifier, reward_set, train,
-                     eval_set, train_id, eval_id, baseline_version, guard, guard_id,
-                     guard_verifier)
-
-
-def refuse_unnamed_reward_code(config: RunConfig, reward_code: Collection[str],
-                               run_dir: Path) -> None:
-    """InputError when the stored config names user reward code the user did not name."""
-    unnamed = [name for name in user_reward_names(config.rewards) if name not in reward_code]
-    if unnamed:
-        raise InputError(
-            f"{run_dir}: the run's rewards name user code ({', '.join(unnamed)}); --resume "
-            "imports only reward code you name: pass --config FILE (or --set 'rewards=[...]') "
-            "with the same rewards as the run")
-
-
-def dry_run(config: RunConfig) -> dict:
-    """Everything a run checks before it writes, without loading the weights or sampling:
-    admission, where the model comes from, the prompts' token lengths, the LoRA target
-    modules (on a weightless copy of the model), the memory estimate and the disk room."""
-    admission = admit(config)
-    base, estimate = "hub id (resolved at load time)", None
-    if admission.model_spec.count("/") != 1 or Path(admission.model_spec).exists():
-        source = resolve_base_model(admission.model_spec, admission.model_revision,
-                                    default_cache_dir(config))
-        base = source.identity()
-        estimate = dry_run_checks(admission, source)
-    return {"run_dir": str(admission.run_dir), "model": base, "adapter": admission.adapter or None,
-            "memory_estimate_bytes": estimate, "verifier": admission.verifier.version,
-            "rewards": admission.reward_set.describe(), "train_prompts": len(admission.train),
-            "eval_prompts": len(admission.eval), "guard_prompts": len(admission.guard),
-            "steps": config.steps,
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "libraries": library_versions()}
-
-
-def peak_memory(device: torch.device) -> dict:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    if device.type == "cuda":
-        return {"device": "cuda", "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
-                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device), "peak_rss_bytes": rss}
-    # On the CPU the resident set is the honest peak: there is no allocator to ask.
-    return {"device": "cpu", "peak_allocated_bytes": rss, "peak_reserved_bytes": rss,
-            "peak_rss_bytes": rss}
-
-
-def deliver_adapter(policy: Policy, run_dir: Path) -> str:
-    """Write adapter/ through a staging directory and a rename; returns the weights' sha256."""
-    with atomic_directory(run_dir / "adapter") as staging:
-        adapter_sha = save_adapter(policy, staging)
-    return adapter_sha
 
 
 def input_identity(admission: Admission, policy: Policy) -> dict:
@@ -225,7 +80,7 @@ def run(config: RunConfig, reporter=None, world: World = SINGLE) -> dict:
     """Run every stage; returns the evidence dict (also on disk with the manifest).
 
     SIGINT / SIGTERM stop the run at the next safe point with status `interrupted`. A worker
-    group that torchrun's agent restarted continues its job's run (elastic.py)."""
+    group that torchrun's agent restarted continues its job's run (distributed/elastic.py)."""
     elastic.settle_run_dir(config, world)
     if elastic.restart_action(run_dir_for(config), world) == "resume":
         reporter = reporter or NullReporter()
@@ -312,8 +167,10 @@ def prepare(admission: Admission) -> Prepared:
     trainable = trainable_parameters(policy)
     optimizer = torch.optim.AdamW(trainable.values(), lr=config.learning_rate,
                                   weight_decay=config.weight_decay)
-    return Prepared(policy, train_prompts, eval_prompts, trainable, optimizer,
-                    input_identity(admission, policy), load_seconds, guard_prompts)
+    return Prepared(policy=policy, train_prompts=train_prompts, eval_prompts=eval_prompts,
+                    trainable=trainable, optimizer=optimizer,
+                    inputs=input_identity(admission, policy), load_seconds=load_seconds,
+                    guard_prompts=guard_prompts)
 
 
 def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | None,
@@ -365,19 +222,21 @@ def open_run(admission: Admission, prepared: Prepared, resumed: Checkpoint | Non
     reporter.log(f"run directory: {plain(run_dir)}")
     header = {"config": config.to_dict(), "run_label": run_label, "inputs": prepared.inputs,
               "resumes": resumes}
-    return OpenRun(run_dir, run_label, log, state, resumes,
-                   CheckpointWriter(run_dir, header, prepared.trainable, prepared.optimizer,
-                                    started, earlier_seconds, writes=world.is_main))
+    checkpoints = CheckpointWriter(run_dir=run_dir, header=header, trainable=prepared.trainable,
+                                   optimizer=prepared.optimizer, started=started,
+                                   earlier_seconds=earlier_seconds, writes=world.is_main)
+    return OpenRun(run_dir=run_dir, run_label=run_label, log=log, state=state, resumes=resumes,
+                   checkpoints=checkpoints)
 
 
-def train_policy(admission: Admission, prepared: Prepared, opened: OpenRun, reporter,
-                 stop: StopRequest, trackers: Trackers, world: World = SINGLE) -> None:
-    """The rollout / update loop; every finished step also goes to the trackers."""
-    config = admission.config
-    loop = Loop(prepared.policy, config, admission.verifier, admission.reward_set, admission.train,
-                prepared.train_prompts, opened.log, reporter, opened.run_label,
-                prepared.optimizer, stop, opened.checkpoints, world)
-    train(loop, opened.state, on_step=trackers.log_step)
+def training_loop(admission: Admission, prepared: Prepared, opened: OpenRun, reporter,
+                  stop: StopRequest, world: World = SINGLE) -> Loop:
+    """What stays fixed over the rollout / update loop."""
+    return Loop(policy=prepared.policy, config=admission.config, verifier=admission.verifier,
+                reward_set=admission.reward_set, problems=admission.train,
+                prompts=prepared.train_prompts, log=opened.log, reporter=reporter,
+                run_label=opened.run_label, optimizer=prepared.optimizer, stop=stop,
+                checkpoints=opened.checkpoints, world=world)
 
 
 def retest_stage(admission: Admission, prepared: Prepared, state: LoopState,
@@ -448,50 +307,40 @@ def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds
     }
 
 
-def write_run_files(run_dir: Path, evidence: dict, problems: list[dict],
-                    eval_records: list[dict], trajectories: list[dict], reporter,
-                    guard_records: list[dict] = ()) -> None:
-    """Problems, re-test (and guard) records, evidence, then the manifest (last: the run is
-    complete), the report. The problems make the directory self-contained: `decide` re-scores
-    from them."""
-    atomic_write_bytes(run_dir / PROBLEMS_FILE, jsonl_bytes(problems))
-    atomic_write_bytes(run_dir / "eval_completions.jsonl", jsonl_bytes(eval_records))
-    if guard_records:
-        atomic_write_bytes(run_dir / GUARD_FILE, jsonl_bytes(list(guard_records)))
-    atomic_write_json(run_dir / "evidence.json", evidence)
-    atomic_write_json(run_dir / "manifest.json", build_manifest(evidence, run_dir, trajectories))
-    # A finished run can no longer be resumed: its checkpoints are waste. A run stopped by a
-    # signal keeps them: its manifest is interim (status interrupted) and `--resume` continues
-    # it, its final manifest then replacing this one by an atomic rename.
-    if evidence["status"] != "interrupted":
-        remove_checkpoints(run_dir)
-    # The report is derived from the files above and written after the manifest: a plotting
-    # failure (any exception type matplotlib may raise) is logged and never loses the run;
-    # `grpogate report RUN_DIR` can write it again.
-    try:
-        from grpogate.evidence.report import write_report
-
-        reporter.log(f"report: {plain(write_report(run_dir))}")
-    except Exception as error:  # noqa: BLE001
-        reporter.log(f"[yellow]report not written ({type(error).__name__}: {plain(error)}); "
-                     f"retry with `{command('grpogate', 'report', run_dir)}`")
-
-
 def _execute(admission: Admission, reporter, stop: StopRequest,
              resumed: Checkpoint | None, held, world: World = SINGLE) -> dict:
-    config = admission.config
+    """The stages of one run, in order."""
     started = time.perf_counter()
-    prepared = prepare(admission)
+    prepared = prepare(admission)  # admission's second half: the policy loaded, prompts encoded
     if agree_stop(world, stop):  # nothing written or changed yet: stopping here leaves no trace
         raise RunInterrupted(stop.signal_name)
     opened = open_run(admission, prepared, resumed, started, reporter, held, world)
-    # A resumed run opens new tracker runs (TensorBoard: a new events file in the same directory).
-    trackers = Trackers(config, opened.run_dir, opened.run_label) if world.is_main else Trackers.none()
-    for name, tracker in trackers.opened:
-        reporter.log(f"{name}: {tracker.where}")
+    trackers = open_trackers(admission.config, opened, reporter, world)
     decision = ""
     try:
-        evidence = _train_to_evidence(admission, prepared, opened, reporter, stop, trackers, world)
+        # rollout, reward and update, checkpointed after every step
+        train(training_loop(admission, prepared, opened, reporter, stop, world), opened.state,
+              on_step=trackers.log_step)
+        candidate_version = current_version(prepared.policy)
+        same_adapter_everywhere(world, candidate_version)
+        adapter_sha = deliver_adapter(prepared.policy, opened.run_dir) if world.is_main else ""
+        clock = StageClock(world)
+        retested = retest_stage(admission, prepared, opened.state, candidate_version, reporter,
+                                stop, world)
+        seconds = {**opened.state.seconds, "load": prepared.load_seconds,
+                   "evaluation": clock.wall()}
+        distributed = distributed_facts(world, {**opened.state.own_seconds,
+                                                "evaluation": clock.own()})
+        seconds["total"] = opened.checkpoints.elapsed()
+        evidence = None
+        if world.is_main:  # assemble the evidence and write it, the manifest last
+            facts = run_facts(admission, prepared, opened, seconds, retested, adapter_sha,
+                              candidate_version, distributed)
+            evidence = write_evidence(admission, opened, facts, retested[0], retested[3],
+                                      reporter)
+            trackers.log_final(evidence)
+            evidence["run_dir"] = str(opened.run_dir)
+        evidence = world.broadcast_object(evidence)
         decision = evidence["decision"]["decision"]
     except Exception as error:
         if resumed is None and world.is_main and latest_checkpoint(opened.run_dir) is None:
@@ -520,6 +369,31 @@ def discard_unstarted_run(run_dir: Path, error: Exception) -> None:
         "cause is fixed") from error
 
 
+def open_trackers(config: RunConfig, opened: OpenRun, reporter, world: World) -> Trackers:
+    """--report-to's trackers, on rank 0. A resumed run opens new tracker runs (TensorBoard: a
+    new events file in the same directory)."""
+    if not world.is_main:
+        return Trackers.none()
+    trackers = Trackers(config, opened.run_dir, opened.run_label)
+    for name, tracker in trackers.opened:
+        reporter.log(f"{name}: {tracker.where}")
+    return trackers
+
+
+def write_evidence(admission: Admission, opened: OpenRun, facts: dict, eval_records: list[dict],
+                   guard_records: list[dict], reporter) -> dict:
+    """Assemble the evidence from the run's facts and records (the audit's function too) and
+    write the run's files; returns the evidence."""
+    config, state = admission.config, opened.state
+    evidence = assemble_evidence(facts, config.to_dict(), state.steps, state.trajectories,
+                                 eval_records, guard_records)
+    problems = tasks.problem_records(config.task, admission.train, admission.eval,
+                                     config.guard, admission.guard)
+    write_run_files(opened.run_dir, evidence, problems, eval_records, state.trajectories, reporter,
+                    guard_records)
+    return evidence
+
+
 def same_adapter_everywhere(world: World, candidate_version: str) -> None:
     """Every rank must end with the adapter rank 0 delivers: a rank that drifted (a collective
     skipped, another library) would make the evidence describe a policy it did not train."""
@@ -533,35 +407,6 @@ def same_adapter_everywhere(world: World, candidate_version: str) -> None:
 def distributed_facts(world: World, own_seconds: dict) -> dict:
     """World size, backend and every rank's own stage seconds (gathered from all ranks)."""
     return {**world.describe(), "per_rank_seconds": world.all_gather_object(own_seconds)}
-
-
-def _train_to_evidence(admission: Admission, prepared: Prepared, opened: OpenRun, reporter,
-                       stop: StopRequest, trackers: Trackers, world: World = SINGLE) -> dict:
-    config = admission.config
-    train_policy(admission, prepared, opened, reporter, stop, trackers, world)
-    candidate_version = current_version(prepared.policy)
-    same_adapter_everywhere(world, candidate_version)
-    adapter_sha = deliver_adapter(prepared.policy, opened.run_dir) if world.is_main else ""
-    clock = StageClock(world)
-    retested = retest_stage(admission, prepared, opened.state, candidate_version, reporter, stop,
-                            world)
-    seconds = {**opened.state.seconds, "load": prepared.load_seconds, "evaluation": clock.wall()}
-    distributed = distributed_facts(world, {**opened.state.own_seconds, "evaluation": clock.own()})
-    seconds["total"] = opened.checkpoints.elapsed()
-    evidence = None
-    if world.is_main:
-        facts = run_facts(admission, prepared, opened, seconds, retested, adapter_sha,
-                          candidate_version, distributed)
-        state = opened.state
-        evidence = assemble_evidence(facts, config.to_dict(), state.steps, state.trajectories,
-                                     retested[0], retested[3])
-        problems = tasks.problem_records(config.task, admission.train, admission.eval,
-                                         config.guard, admission.guard)
-        write_run_files(opened.run_dir, evidence, problems, retested[0], state.trajectories,
-                        reporter, retested[3])
-        trackers.log_final(evidence)
-        evidence["run_dir"] = str(opened.run_dir)
-    return world.broadcast_object(evidence)
 
 
 def json_roundtrip(value):

@@ -39,7 +39,9 @@ from grpogate.inputs.trl_output import (ADAPTER_CONFIG, TrlOutput, read_settings
                                         read_trl_output, trl_settings)
 from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import StopRequest
-from grpogate.pipeline import NullReporter, peak_memory, run_dir_for, write_run_files
+from grpogate.admission import run_dir_for
+from grpogate.delivery import peak_memory, write_run_files
+from grpogate.pipeline import NullReporter
 from grpogate.sampling.retest import retest_both
 from grpogate.sampling.rollout import encode_prompts
 from grpogate.inputs.training_prompts import training_problems

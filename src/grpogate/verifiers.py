@@ -1,4 +1,5 @@
-"""The stable public name of the verifiers (SPEC §4b): `from grpogate.verifiers import get_verifier`.
+"""The stable public name of the verifiers (docs/design.md §5):
+`from grpogate.verifiers import get_verifier`.
 
 The verifiers live in `grpogate.inputs.verifiers`; this module only re-exports them.
 """

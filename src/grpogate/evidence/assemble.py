@@ -10,18 +10,16 @@ records as stored, and compares: an audit with its own copy of a rule could agre
 
 from __future__ import annotations
 
-import hashlib
 import platform
 from importlib import metadata
 
 from grpogate.config import step_count
 from grpogate.evidence import decisions, guard, metrics
+from grpogate.seeding import REFILL_SEED_OFFSET, eval_seed, rollout_seed
 
 EVIDENCE_VERSION = 1
-EVAL_SEED_OFFSET = 10_000  # the re-test samples with seed = run seed + 10,000
 BOOTSTRAP_RESAMPLES = 2000
 CONFIDENCE = 0.95
-REFILL_SEED_OFFSET = 1_000_000  # refill round r >= 1 of step s samples with seed + s + r x this
 # The per-step fields recomputable from that step's trajectory records.
 STEP_FIELDS = ("mean_reward", "group_count", "valid_group_count", "valid_group_ratio",
                "max_length_hit_ratio", "generated_tokens", "reward_component_means",
@@ -39,26 +37,12 @@ def library_versions() -> dict:
     return versions
 
 
-def rollout_seed(run_seed: int, step: int, generation_round: int = 0) -> int:
-    """Step s samples with run seed + s; its dynamic-sampling refill round r with
-    run seed + s + r x 1,000,000, so no two rounds of a run share a seed."""
-    return run_seed + step + REFILL_SEED_OFFSET * generation_round
-
-
-def prompt_seed(seed: int, prompt_index: int) -> int:
-    """The sampling seed of one prompt's G completions under a round's (or the re-test's)
-    `seed`: sha256 of both, 63 bits. Derived from the prompt's index in its problem set, never
-    from a rank or a batch, so a run's completions do not depend on the number of processes."""
-    digest = hashlib.sha256(f"{seed}|{prompt_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") & (2 ** 63 - 1)
-
-
 def seeds(config: dict) -> dict:
     """Step s samples with run seed + s, the re-test with run seed + 10,000 (both policies)."""
     seed, steps = config["seed"], step_count(config["train_prompts"], config["prompts_per_step"])
     return {"run": seed, "rollout": [rollout_seed(seed, s) for s in range(steps)],
             "refill": f"run seed + step + {REFILL_SEED_OFFSET:,} x round (round >= 1)",
-            "eval": seed + EVAL_SEED_OFFSET, "bootstrap": seed,
+            "eval": eval_seed(seed), "bootstrap": seed,
             "per_prompt": "prompt_seed(round or eval seed, prompt index) = first 63 bits of "
                           "sha256('<seed>|<index>'), the index in the train or eval set"}
 

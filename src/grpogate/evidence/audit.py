@@ -12,124 +12,37 @@ contract, checks every hash the manifest records, recomputes the policy versions
 adapter's own tensors (a forger who swaps adapter/ and recomputes every file hash still has
 to name the candidate's version), and rebuilds the whole evidence document
 with the run's own `assemble.assemble_evidence` from the stored records (rollout coverage,
-update totals, re-test metrics and paired statistics, effective throughput, status, decision). Counts must match exactly, floats
-within FLOAT_TOLERANCE; any mismatch makes the decision `reject`, with the field named
+update totals, re-test metrics and paired statistics, effective throughput, status, decision).
+Counts must match exactly, floats within audit_files.FLOAT_TOLERANCE; any mismatch makes the decision `reject`, with the field named
 (`rollout.reward_groups`, `trajectories.jsonl:17 reward`, `files.evidence.json sha256`).
 
 Pure Python (no torch): anyone can audit a run without loading a model. Token counts are the one
 thing taken on trust (re-tokenizing needs the model's tokenizer); they are checked for
-consistency with the token budget only.
+consistency with the token budget only. Reading the files, the hashes and the anchored policy
+versions are in audit_files.py; the record, step and assembly checks and `audit_run` are here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any, Callable
 
-from grpogate.config import BUILT_IN_REWARDS, Gates, TaskConfig
+from grpogate.config import Gates, TaskConfig
 from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, recorded_facts,
                                        step_summary, update_throughput)
-from grpogate.evidence.manifest import (GUARD_FILE, PROBLEMS_FILE, RUN_FILES, build_manifest,
-                                       trace_ids_sha256)
+from grpogate.evidence.audit_files import (Audit, anchored_versions, check_hashes, confined,
+                                           numbered_jsonl, read_object, same_value,
+                                           stored_problem_sets, unknown_fields)
+from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
 from grpogate.evidence.rescore import (RescorePlan, announce_cost, audit_reward_set, describe,
-                                      recorded_value, refuse_excess_records)
-from grpogate.files import (ADAPTER_WEIGHTS, confined_file, parse_json, policy_version,
-                            read_confined, safetensors_sha256, sha256_path)
-from grpogate.inputs.tasks import load_problem_sets, problem_set_hash, stored_sets
+                                      refuse_excess_records, rescored_reward)
+from grpogate.files import confined_file, policy_version
+from grpogate.inputs.tasks import load_problem_sets, problem_set_hash
 from grpogate.inputs.verifiers import get_verifier
-
-FLOAT_TOLERANCE = 1e-9
-
-
-class Audit:
-    """Collects mismatches as {"field", "recorded", "recomputed"}; recorded first, as stored."""
-
-    def __init__(self) -> None:
-        self.mismatches: list[dict[str, Any]] = []
-
-    def mismatch(self, field: str, recorded: Any = None, recomputed: Any = None) -> None:
-        self.mismatches.append({"field": field, "recorded": recorded, "recomputed": recomputed})
-
-    def compare(self, field: str, recorded: Any, recomputed: Any) -> None:
-        """Walk dicts (and lists of dicts) so the deepest differing field is the one named;
-        lists of numbers (reward groups, histogram counts) are named as a whole."""
-        if isinstance(recomputed, dict):
-            if not isinstance(recorded, dict):
-                self.mismatch(field, recorded, "an object")
-                return
-            for key, value in recomputed.items():
-                if key not in recorded:
-                    self.mismatch(f"{field}.{key}", "missing", value)
-                else:
-                    self.compare(f"{field}.{key}", recorded[key], value)
-        elif (isinstance(recomputed, list) and isinstance(recorded, list)
-              and len(recomputed) == len(recorded) and any(isinstance(v, dict) for v in recomputed)):
-            for index, (old, new) in enumerate(zip(recorded, recomputed)):
-                self.compare(f"{field}[{index}]", old, new)
-        elif not same_value(recorded, recomputed):
-            self.mismatch(field, recorded, recomputed)
-
-
-def same_value(recorded: Any, recomputed: Any) -> bool:
-    """Exact for counts, bools and strings; within FLOAT_TOLERANCE when a float is involved."""
-    if isinstance(recorded, bool) or isinstance(recomputed, bool):
-        return type(recorded) is type(recomputed) and recorded == recomputed
-    if isinstance(recorded, (int, float)) and isinstance(recomputed, (int, float)):
-        if isinstance(recorded, int) and isinstance(recomputed, int):
-            return recorded == recomputed
-        return math.isclose(recorded, recomputed, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
-    if isinstance(recorded, list) and isinstance(recomputed, list):
-        return len(recorded) == len(recomputed) and all(
-            same_value(a, b) for a, b in zip(recorded, recomputed))
-    return recorded == recomputed
-
-
-# --- reading the run ---------------------------------------------------------------------------
-
-def _read_object(path: Path, audit: Audit) -> dict | None:
-    """A JSON object file; unreadable content is a mismatch (a tampered file), not a crash.
-    InputError when it is not a regular file inside the run directory, and for JSON no reader
-    may take one way (duplicate keys) or nested past any grpogate file (parse_json)."""
-    try:
-        document = parse_json(read_confined(path.parent, path.name).decode("utf-8"), str(path))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        audit.mismatch(f"{path.name} (not valid JSON: {error})")
-        return None
-    if not isinstance(document, dict):
-        audit.mismatch(f"{path.name} (not a JSON object)")
-        return None
-    return document
-
-
-def _numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
-    """(1-based line number, record) for every non-blank line; bad lines become mismatches."""
-    try:
-        text = read_confined(path.parent, path.name).decode("utf-8")
-    except InputError as error:
-        audit.mismatch(f"{path.name} ({str(error).removeprefix(path.name + ': ')})")
-        return []
-    except UnicodeDecodeError:
-        audit.mismatch(f"{path.name} (not UTF-8 text)")
-        return []
-    records = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = parse_json(line, f"{path}:{number}")
-        except json.JSONDecodeError:
-            audit.mismatch(f"{path.name}:{number} (malformed JSON)")
-            continue
-        if isinstance(record, dict):
-            records.append((number, record))
-        else:
-            audit.mismatch(f"{path.name}:{number} (not a JSON object)")
-    return records
 
 
 def reload_problem_sets(config: dict, inputs: dict) -> tuple[list, dict, list, dict]:
@@ -151,129 +64,8 @@ def reload_problem_sets(config: dict, inputs: dict) -> tuple[list, dict, list, d
                              recorded_file("train_set"), recorded_file("eval_set"))
 
 
-def stored_problem_sets(run_dir: Path, audit: Audit) -> dict[str, list] | None:
-    """The run's train, eval and guard problems as problems.jsonl stores them (None: unusable).
-
-    The run directory alone is enough: no task generator or dataset is needed. The file is
-    pinned by the manifest like every other; each prompt id is recomputed from its question
-    and the sets' hashes are compared with the recorded identities (`_reload_references`).
-    """
-    numbered = _numbered_jsonl(run_dir / PROBLEMS_FILE, audit)
-    if not numbered:
-        return None
-    try:
-        return stored_sets(numbered, PROBLEMS_FILE)
-    except InputError as error:
-        audit.mismatch(f"{PROBLEMS_FILE} ({error})")
-        return None
-
 
 # --- the checks ---------------------------------------------------------------------------------
-
-def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
-                 trajectories: list[dict]) -> None:
-    """Every file the manifest pins, the trace ids, the adapter, and the manifest's summary."""
-    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
-    for name, recorded in files.items():
-        try:
-            path = confined_file(run_dir, name)
-        except InputError as error:  # flagged, and never read
-            audit.mismatch(f"files.{name} ({str(error).removeprefix(f'{name}: ')})", recorded)
-            continue
-        if sha256_path(path) != recorded:
-            audit.mismatch(f"files.{name} sha256", recorded, sha256_path(path))
-    adapter_path = str((evidence.get("artifact") or {}).get("path") or "")
-    on_disk = [name for name in RUN_FILES if _confined(run_dir, name)]
-    if adapter_path and (run_dir / adapter_path).is_dir():
-        on_disk += [f"{adapter_path}/{p.name}" for p in sorted((run_dir / adapter_path).glob("*"))]
-    for name in on_disk:
-        if name not in files:
-            audit.mismatch(f"files.{name} (not recorded in the manifest)")
-
-    identity = manifest.get("trajectory_identity") or {}
-    trace_ids = [str(record.get("trace_id")) for record in trajectories]
-    audit.compare("manifest.trajectory_identity", identity, {
-        "trace_count": len(trace_ids), "trace_ids_sha256": trace_ids_sha256(trace_ids),
-        "trajectories_sha256": _file_sha(run_dir / "trajectories.jsonl"),
-        "evidence_sha256": _file_sha(run_dir / "evidence.json")})
-
-    weights = _confined(run_dir, f"{adapter_path}/{ADAPTER_WEIGHTS}") if adapter_path else None
-    audit.compare("artifact.sha256", (evidence.get("artifact") or {}).get("sha256"),
-                  sha256_path(weights) if weights else None)
-    # The rest of the manifest is a summary of the evidence: rebuild it and compare.
-    try:
-        rebuilt = build_manifest(evidence, run_dir, trajectories)
-    except (KeyError, TypeError) as error:
-        audit.mismatch(f"manifest (cannot be rebuilt from the evidence: missing {error})")
-        return
-    unknown_fields(audit, "manifest.json", manifest, rebuilt)
-    for key in ("files", "trajectory_identity"):
-        rebuilt.pop(key)
-    audit.compare("manifest", manifest, rebuilt)
-
-
-def unknown_fields(audit: Audit, name: str, recorded: dict, rebuilt: dict) -> None:
-    """A top-level field the run's own writer never writes is named: a reader of the file
-    must not meet a claim the audit did not check."""
-    for key in recorded:
-        if key not in rebuilt:
-            audit.mismatch(f"{name}: unknown field {key!r}", recorded[key], "absent")
-
-
-def anchored_versions(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, str]:
-    """The policy versions recomputed from the artifacts themselves, not from the hash list.
-
-    A forger who swaps adapter/ for another run's and recomputes every file hash still has to
-    name the candidate's version; here it is recomputed from the adapter's own tensors (the
-    rule of files.tensors_digest, read without torch) and the base model's recorded identity,
-    and the evidence, the manifest and every candidate re-test record must carry it."""
-    inputs, artifact = evidence["inputs"], evidence.get("artifact") or {}
-    base = (inputs.get("model") or {}).get("sha256")
-    versions = {"baseline": inputs.get("baseline_policy_version"),
-                "candidate": artifact.get("new_policy_version")}
-    weights = _confined(run_dir, f"{artifact.get('path') or 'adapter'}/{ADAPTER_WEIGHTS}")
-    if weights is not None:
-        versions["candidate"] = _version_of(audit, base, weights,
-                                            "artifact (adapter weights unreadable",
-                                            versions["candidate"])
-    audit.compare("artifact.new_policy_version", artifact.get("new_policy_version"),
-                  versions["candidate"])
-    baseline_adapter = inputs.get("baseline_adapter")
-    baseline_weights = (Path(str(baseline_adapter.get("path"))) / ADAPTER_WEIGHTS
-                        if isinstance(baseline_adapter, dict) else None)
-    if baseline_adapter is None:
-        versions["baseline"] = policy_version(base, None)
-    elif baseline_weights is not None and baseline_weights.is_file():
-        versions["baseline"] = _version_of(audit, base, baseline_weights,
-                                           "inputs.baseline_adapter (unreadable", versions["baseline"])
-    # A baseline adapter that is not on this machine cannot be re-hashed: taken as recorded.
-    audit.compare("inputs.baseline_policy_version", inputs.get("baseline_policy_version"),
-                  versions["baseline"])
-    return versions
-
-
-def _version_of(audit: Audit, base: Any, weights: Path, field: str, recorded: Any) -> Any:
-    """The policy version of `base` + the adapter tensors in `weights`; an unreadable file is a
-    mismatch named `field` and the recorded version stands (so it is not reported twice)."""
-    try:
-        return policy_version(base, safetensors_sha256(weights))
-    except InputError as error:
-        audit.mismatch(f"{field}: {error})")
-        return recorded
-
-
-def _file_sha(path: Path) -> str | None:
-    found = _confined(path.parent, path.name)
-    return sha256_path(found) if found else None
-
-
-def _confined(run_dir: Path, name: str) -> Path | None:
-    """`run_dir/name` when it is a regular file inside the run directory, else None (not read)."""
-    try:
-        return confined_file(run_dir, name)
-    except InputError:
-        return None
-
 
 def _budget_consistent(record: dict, max_new_tokens: Any) -> bool:
     """A completion that hit the budget has exactly max_new_tokens tokens; one below it did not."""
@@ -316,38 +108,10 @@ def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]]
             audit.mismatch(f"{where} prompt_id", record.get("prompt_id"), "a prompt of the set")
             continue
         sampled = plan is None or plan.covers(first_index + position)
-        rescored = _rescored_reward(audit, where, record, reference, verifier, reward_set, sampled,
+        rescored = rescored_reward(audit, where, record, reference, verifier, reward_set, sampled,
                                     (questions or {}).get(str(record.get("prompt_id")), ""))
         if not same_value(record.get("reward"), rescored):
             audit.mismatch(f"{where} reward", record.get("reward"), rescored)
-
-
-def _rescored_reward(audit: Audit, where: str, record: dict, reference: str, verifier,
-                     reward_set, sampled: bool, question: str = "") -> float:
-    """The record's reward recomputed: the verifier's (re-run when `sampled`, else as recorded)
-    alone, or with `reward_set` the weighted total of every component, the components compared
-    with the recorded ones. Values taken as recorded must be numbers within the value bound."""
-    recorded = record.get("rewards") if isinstance(record.get("rewards"), dict) else {}
-    if sampled:
-        correctness = verifier.score(record.get("completion"), reference)
-    elif reward_set is not None:
-        correctness = recorded_value(audit, f"{where} rewards.correctness",
-                                     recorded.get("correctness"))
-    else:
-        correctness = recorded_value(audit, f"{where} reward", record.get("reward"))
-    if reward_set is None:
-        return correctness
-    taken = [name for name in reward_set.weights if name not in BUILT_IN_REWARDS
-             and (name in reward_set.as_recorded or not sampled)]
-    # A user component may record None ("not applicable", a TRL-style function's answer).
-    values = {name: recorded_value(audit, f"{where} rewards.{name}", recorded.get(name),
-                                   allow_none=True) for name in taken}
-    tokens = record.get("completion_tokens")
-    components = reward_set.score(record.get("completion"), reference,
-                                  tokens if isinstance(tokens, int) else 0, correctness,
-                                  question=question, recorded=values, taken=taken)
-    audit.compare(f"{where} rewards", record.get("rewards"), components)
-    return reward_set.total(components)
 
 
 def check_steps(audit: Audit, evidence: dict, trajectories: list[dict],
@@ -451,13 +215,13 @@ def _read_run(audit: Audit, run_dir: Path, guard_expected: bool) -> tuple[dict, 
     records (the guard file is read when it exists or the run's config says it must)."""
     manifest: dict = {}
     if (run_dir / "manifest.json").is_file():
-        manifest = _read_object(run_dir / "manifest.json", audit) or {}
+        manifest = read_object(run_dir / "manifest.json", audit) or {}
     else:
         audit.mismatch("manifest.json (missing: the run did not complete)")
-    guard = (_numbered_jsonl(run_dir / GUARD_FILE, audit)
+    guard = (numbered_jsonl(run_dir / GUARD_FILE, audit)
              if guard_expected or (run_dir / GUARD_FILE).exists() else [])
-    return (manifest, _numbered_jsonl(run_dir / "trajectories.jsonl", audit),
-            _numbered_jsonl(run_dir / "eval_completions.jsonl", audit), guard)
+    return (manifest, numbered_jsonl(run_dir / "trajectories.jsonl", audit),
+            numbered_jsonl(run_dir / "eval_completions.jsonl", audit), guard)
 
 
 def _guard_expected(evidence: dict) -> bool:
@@ -559,11 +323,11 @@ def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
     `max_rescore` caps the records re-scored; `announce` hears the cost of a long re-scoring
     before it starts (rescore.py)."""
     run_dir = Path(run_dir)
-    if not _confined(run_dir, "evidence.json"):
+    if not confined(run_dir, "evidence.json"):
         raise InputError(f"{run_dir}: not a run directory (no evidence.json, or not a regular "
                          "file)")
     audit = Audit()
-    evidence = _read_object(run_dir / "evidence.json", audit)
+    evidence = read_object(run_dir / "evidence.json", audit)
     if evidence is None or not isinstance(evidence.get("config"), dict):
         if evidence is not None:
             audit.mismatch("evidence.json (no config: not a grpogate evidence file)")

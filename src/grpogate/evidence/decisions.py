@@ -201,7 +201,7 @@ def _logged_group_statistics(rollout: Any) -> tuple[float, int, bool]:
 def _stage_seconds(rollout: Any, update: Any) -> float | None:
     """rollout + verification (when recorded) + update seconds; None when any is unusable.
 
-    Throughput counts every stage the trajectories cost (SPEC §2), not generation alone.
+    Throughput counts every stage the trajectories cost (docs/design.md §3), not generation alone.
     """
     parts = [_get(rollout, "rollout_seconds"), _get(update, "update_seconds")]
     if isinstance(rollout, dict) and "verification_seconds" in rollout:
@@ -221,7 +221,7 @@ def _retest_skipped(evidence: Any) -> bool:
 def gain_rule(gates: Any) -> str:
     """Which measure of the re-test gains the reward and pass_at_group gates read: the 95 %
     paired bootstrap lower bound when `require_significant_gain` is true, else the point
-    estimate (a gates table without the switch: SPEC §5's gates). The run's output, `decide`
+    estimate (a gates table without the switch: the reference profile's gates). The run's output, `decide`
     and the report state it with this one rule."""
     if _get(gates, "require_significant_gain") is True:
         return "bootstrap lower bound"
@@ -234,7 +234,7 @@ def gain_rule_line(gates: Any) -> str:
         return ("gain gates (reward, pass_at_group) read the 95 % paired bootstrap lower bound "
                 "(gates.require_significant_gain = true)")
     return ("gain gates (reward, pass_at_group) read the point estimate "
-            "(gates.require_significant_gain = false: SPEC §5's published gates)")
+            "(gates.require_significant_gain = false: the reference profile's published gates)")
 
 
 def _gain(evidence: Any, gates: Any, name: str) -> Any:
@@ -249,7 +249,7 @@ def _gain(evidence: Any, gates: Any, name: str) -> Any:
 
 
 def _candidate_checks(evidence: Any, gates: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The metrics and the eight candidate check rows, in SPEC §4 order."""
+    """The metrics and the eight candidate check rows, in the order of docs/design.md §5."""
     rollout, update = _get(evidence, "rollout"), _get(evidence, "update")
     ratio, effective_trajectories, groups_well_formed = _group_statistics(rollout)
     seconds = _stage_seconds(rollout, update)
@@ -316,7 +316,7 @@ def _verdict(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
 def decide_grpo_delivery(rollout: Any, candidate: Any, artifact: Any) -> dict[str, Any]:
     """accept / tune / reject from the contract result, the candidate result and the artifact.
 
-    The artifact needs a non-empty path and sha256 (SPEC §4); the whole-run `artifact` check
+    The artifact needs a non-empty path and sha256 (docs/design.md §5); the whole-run `artifact` check
     is stricter (64 hex digits and a source policy version).
     """
     artifact_present = (_non_empty_str(_get(artifact, "path"))
@@ -349,7 +349,7 @@ def run_checks(evidence: Any, gates: Any) -> list[dict[str, Any]]:
                    for policy in ("baseline", "candidate")]
     length_budget = _gate_row("length_budget", None if None in eval_ratios else max(eval_ratios),
                               gates, "maximum_max_length_hit_ratio")
-    memory = candidate_rows.pop()  # keep SPEC order: length_budget before memory
+    memory = candidate_rows.pop()  # docs/design.md §5's order: length_budget before memory
     # What the update cost: the guard set and the drift (absent rows: gates that predate them).
     safety = [row for row in (_guard_row(evidence, gates), _retest_kl_row(evidence, gates)) if row]
     return [contract, *_foreign_admission_rows(evidence), *candidate_rows, length_budget, *safety,

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from grpogate.errors import InputError
-from grpogate.evidence.audit import (Audit, _numbered_jsonl, _read_object, _read_run, _verifier,
-                                     anchored_versions, audit_run, check_hashes, check_records,
+from grpogate.evidence.audit import (_read_run, _verifier, audit_run, check_records,
                                      check_retest_records, compare_rebuilt, verdict)
+from grpogate.evidence.audit_files import (Audit, anchored_versions, check_hashes, numbered_jsonl,
+                                           read_object)
 from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.evidence.trainer_log import assemble_foreign_evidence, foreign_facts
 from grpogate.files import confined_file, parse_json, read_confined, sha256_path
@@ -57,13 +58,13 @@ def _stored_log(audit: Audit, run_dir: Path, evidence: dict) -> dict | None:
         return None
     audit.compare("foreign.trainer_state_sha256", evidence["foreign"].get("trainer_state_sha256"),
                   sha256_path(path))
-    return _read_object(path, audit)
+    return read_object(path, audit)
 
 
 def _check_problems(audit: Audit, run_dir: Path, evidence: dict) -> dict | None:
     """Eval references by prompt id; the stored sets must hash to the recorded identities and
     be disjoint (problems_from_records refuses an overlap)."""
-    numbered = _numbered_jsonl(run_dir / PROBLEMS_FILE, audit)
+    numbered = numbered_jsonl(run_dir / PROBLEMS_FILE, audit)
     try:
         train, eval_set = problems_from_records(numbered, PROBLEMS_FILE, allow_empty_train=True)
     except InputError as error:
@@ -87,7 +88,7 @@ def audit_foreign_run(run_dir: str | Path) -> dict[str, Any]:
     """The result has the shape of `audit_run`'s, plus "not_checkable" (a sentence)."""
     run_dir = Path(run_dir)
     audit = Audit()
-    evidence = _read_object(run_dir / "evidence.json", audit)
+    evidence = read_object(run_dir / "evidence.json", audit)
     if evidence is None:
         raise InputError(f"{run_dir}/evidence.json: unreadable")
     manifest, _, numbered_eval = _read_run(audit, run_dir)

@@ -266,7 +266,7 @@ def paired_comparison(
     }
 
 
-# ---- training rollouts (SPEC §2) -------------------------------------------------------------
+# ---- training rollouts (docs/design.md §3) -------------------------------------------------------------
 
 
 def component_means(trajectories: list[dict]) -> dict:
@@ -280,7 +280,7 @@ def component_means(trajectories: list[dict]) -> dict:
 
 
 def rollout_summary(trajectories: list[dict], group_size: int) -> dict:
-    """Reduce training trajectory records to the SPEC §2 coverage quantities.
+    """Reduce training trajectory records to the coverage quantities of docs/design.md §3.
 
     A group is one (step, prompt_id); groups keep first-seen order so the result depends only
     on the records. Only complete groups whose rewards differ carry a group-relative advantage:

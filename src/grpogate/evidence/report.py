@@ -17,12 +17,12 @@ import html
 import json
 import shlex
 from pathlib import Path
-from typing import Any
 
 from grpogate.config import profile_note
 from grpogate.errors import InputError
 from grpogate.evidence.decisions import gain_rule
 from grpogate.evidence.manifest import PROBLEMS_FILE
+from grpogate.evidence.report_html import _STYLE, _e, _fmt, _h2, _img, _table
 from grpogate.evidence.report_figures import paired_prompts, render_all, stage_seconds
 from grpogate.files import atomic_write_bytes, parse_json, read_confined
 
@@ -31,44 +31,8 @@ FIGURE_NAMES = ("stages", "steps", "lengths", "per_prompt", "intervals")
 # Every section's id, in page order ("what-to-try" only when a gate failed).
 SECTIONS = ("gates", "what-to-try", "configuration", "re-test", "guard-drift", "per-prompt",
             "completions", "training", "stage-times", "inputs")
-_STYLE = """
-body{font-family:system-ui,sans-serif;margin:2em auto;max-width:70em;color:#222}
-h1{margin-bottom:.2em} h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.6em}
-table{border-collapse:collapse;margin:.6em 0} td,th{border:1px solid #ccc;padding:.25em .6em;
-text-align:left;vertical-align:top} th{background:#f3f3f3} code{font-size:.9em;word-break:break-all}
-.decision{display:inline-block;padding:.4em 1em;font-size:1.4em;font-weight:bold;color:#fff;
-border-radius:.3em} .accept{background:#2e7d32} .tune{background:#ef6c00} .reject{background:#c62828}
-.pass{color:#2e7d32;font-weight:bold} .fail{color:#c62828;font-weight:bold} .note{color:#555}
-img{max-width:100%;border:1px solid #eee;margin:.4em 0}
-pre{white-space:pre-wrap;margin:0;max-height:12em;overflow:auto;font-size:.85em}
-h4{margin:.8em 0 .2em}
-"""
 
 
-def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _fmt(value: Any, unit: str = "") -> str:
-    if isinstance(value, bool) or value is None:
-        return str(value)
-    if isinstance(value, (int, float)) and unit == "bytes":
-        return f"{value / 2**30:.2f} GiB"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    """Cells are HTML already (escape values with _e / _fmt before passing them)."""
-    head = "".join(f"<th>{_e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-# --- sections ---------------------------------------------------------------------------------
-
-# One line per gate: what to try when it fails (the gate names of evidence/decisions.py).
 ADVICE = {
     "contract": "the trajectories break the rollout contract (identities, complete groups): "
                 "a bug or tampering; run again and report it if it repeats",
@@ -96,15 +60,6 @@ ADVICE = {
     "artifact": "the adapter is missing or does not hash as recorded: do not deliver this "
                 "directory; run again",
 }
-
-
-def _img(pngs: dict[str, bytes], name: str, alt: str) -> str:
-    data = base64.b64encode(pngs[name]).decode("ascii")
-    return f'<img src="data:image/png;base64,{data}" alt="{_e(alt)}">'
-
-
-def _h2(section: str, title: str) -> str:
-    return f'<h2 id="{section}">{title}</h2>'
 
 
 def gates_section(evidence: dict) -> str:
@@ -140,7 +95,7 @@ def advice_section(evidence: dict) -> str:
     failed = [c for c in (evidence.get("decision") or {}).get("checks") or [] if not c.get("passed")]
     if not failed:
         return ""
-    items = "".join(f"<li><b>{_e(c.get('name'))}</b>: {_e(ADVICE.get(c.get('name'), 'see SPEC §4'))}</li>"
+    items = "".join(f"<li><b>{_e(c.get('name'))}</b>: {_e(ADVICE.get(c.get('name'), 'see docs/design.md §5'))}</li>"
                     for c in failed)
     return _h2("what-to-try", "What to try") + f"<ul>{items}</ul>"
 

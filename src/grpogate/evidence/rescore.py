@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from grpogate.config import MAX_REWARD_VALUE, MAX_REWARD_WEIGHT
+from grpogate.config import BUILT_IN_REWARDS, MAX_REWARD_VALUE, MAX_REWARD_WEIGHT
 from grpogate.errors import InputError
 from grpogate.evidence.manifest import GUARD_FILE
 from grpogate.inputs.rewards import (CORRECTNESS, TRL_SIGNATURE_SUFFIX, RewardSet,
@@ -180,3 +180,31 @@ def describe(reward_set: RewardSet | None, plan: RescorePlan) -> dict:
     return {"components_rescored": [name for name in names if name not in as_recorded],
             "components_as_recorded": as_recorded, "records": plan.records,
             "records_rescored": plan.rescored, "sample_seed": plan.seed}
+
+
+def rescored_reward(audit, where: str, record: dict, reference: str, verifier,
+                     reward_set, sampled: bool, question: str = "") -> float:
+    """The record's reward recomputed: the verifier's (re-run when `sampled`, else as recorded)
+    alone, or with `reward_set` the weighted total of every component, the components compared
+    with the recorded ones. Values taken as recorded must be numbers within the value bound."""
+    recorded = record.get("rewards") if isinstance(record.get("rewards"), dict) else {}
+    if sampled:
+        correctness = verifier.score(record.get("completion"), reference)
+    elif reward_set is not None:
+        correctness = recorded_value(audit, f"{where} rewards.correctness",
+                                     recorded.get("correctness"))
+    else:
+        correctness = recorded_value(audit, f"{where} reward", record.get("reward"))
+    if reward_set is None:
+        return correctness
+    taken = [name for name in reward_set.weights if name not in BUILT_IN_REWARDS
+             and (name in reward_set.as_recorded or not sampled)]
+    # A user component may record None ("not applicable", a TRL-style function's answer).
+    values = {name: recorded_value(audit, f"{where} rewards.{name}", recorded.get(name),
+                                   allow_none=True) for name in taken}
+    tokens = record.get("completion_tokens")
+    components = reward_set.score(record.get("completion"), reference,
+                                  tokens if isinstance(tokens, int) else 0, correctness,
+                                  question=question, recorded=values, taken=taken)
+    audit.compare(f"{where} rewards", record.get("rewards"), components)
+    return reward_set.total(components)

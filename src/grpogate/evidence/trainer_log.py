@@ -5,8 +5,8 @@ TRL's GRPOTrainer keeps no trajectories: what it trained on survives only as the
 it logged into trainer_state.json's `log_history`. The figures here are read from that log and
 marked `"source": "trainer_log"`; they cannot be re-derived from completions, and `decide` can
 only re-check the log's hash and this arithmetic. The counts use the same rule as a grpogate
-run (SPEC §2): a group is valid when its rewards are not all equal, effective trajectories =
-valid groups x G, and the decision's own `evaluate_grpo_candidate` divides them by the run's
+run (docs/design.md §3): a group is valid when its rewards are not all equal, effective
+trajectories = valid groups x G, and the decision's own `evaluate_grpo_candidate` divides them by the run's
 seconds (TRL's `train_runtime`: generation, rewards and update together, the log does not split
 them). Per logged entry, with P = per_device_train_batch_size x gradient_accumulation_steps x
 num_processes completions per generation (one generation every num_iterations optimizer steps):

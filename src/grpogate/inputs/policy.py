@@ -128,7 +128,8 @@ def resolve_base_model(model: str, revision: str, cache_root: Path) -> BaseModel
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise InputError(f"{model}: no such model path (and not a Hugging Face id owner/name)")
     # A hub id: the identity is the id at the resolved commit, recorded after loading.
-    return BaseModelSource("hf-id", model, model, "", revision, spec=model)
+    return BaseModelSource(kind="hf-id", location=model, load_dir=model, sha256="",
+                           revision=revision, spec=model)
 
 
 # --- the loaded policy -----------------------------------------------------------------------
@@ -274,9 +275,10 @@ def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -
     model = AutoModelForCausalLM.from_pretrained(base.load_dir, dtype=dtype, **revision)
     if base.kind == "hf-id":
         commit = getattr(model.config, "_commit_hash", None) or base.revision or "unresolved"
-        base = BaseModelSource("hf-id", base.location, base.load_dir,
-                               hashlib.sha256(f"{base.location}@{commit}".encode()).hexdigest(),
-                               commit, spec=base.spec)
+        base = BaseModelSource(
+            kind="hf-id", location=base.location, load_dir=base.load_dir,
+            sha256=hashlib.sha256(f"{base.location}@{commit}".encode()).hexdigest(),
+            revision=commit, spec=base.spec)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -296,7 +298,8 @@ def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -
         model = _attach_fresh_lora(model, config)
         baseline_version = policy_version(base.sha256, None)
     _freeze_all_but_trainable(model)
-    return Policy(model, tokenizer, base, adapter_sha, baseline_version, device)
+    return Policy(model=model, tokenizer=tokenizer, base=base, baseline_adapter_sha256=adapter_sha,
+                  baseline_version=baseline_version, device=device)
 
 
 def _freeze_all_but_trainable(model) -> None:

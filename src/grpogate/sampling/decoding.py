@@ -18,18 +18,22 @@ the moment of the call:
   per call (measured on SmolLM2, all 211 products: 12.4 -> 8.5 ms at 8 rows, 29.4 -> 24.4 ms at
   64; the results are bit-identical).
 
-`lean_decoder(model)` returns None for anything it does not cover (another architecture, a
-sliding window, a length-dependent RoPE, LoRA layers that are active and unmerged, forward hooks),
-and the rollout then uses `ModelStepper`. Tests compare both paths' logits.
+`lean_decoder(model)` (lean_weights.py, which holds the fused and prepacked weights) returns
+None for anything it does not cover (another architecture, a sliding window, a length-dependent
+RoPE, LoRA layers that are active and unmerged, forward hooks), and the rollout then uses
+`ModelStepper`. Tests compare both paths' logits.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from grpogate.sampling.lean_weights import LeanDecoder, lean_decoder, linear
+
+MASKED = -1e30  # additive attention mask; finite, so an all-masked (padding) query stays finite
 
 # bfloat16 matmuls on the CPU go through oneDNN, which builds a kernel for every new matrix shape
 # (seconds of warm-up spread over a run). Batch rows and prompt widths are therefore rounded
@@ -101,137 +105,6 @@ class ModelStepper:
     def select(self, keep: torch.Tensor) -> None:
         self.cache.batch_select_indices(keep)
         self.attention_mask, self.positions = self.attention_mask[keep], self.positions[keep]
-
-
-def bf16_kernels_available() -> bool:
-    """oneDNN bfloat16 kernels (avx512_bf16 / AMX on x86): bfloat16 is then a fast CPU dtype."""
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def can_prepack(weight: torch.Tensor) -> bool:
-    """Whether `prepack` applies: a bfloat16 weight on a CPU with oneDNN bfloat16 kernels."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and bf16_kernels_available())
-
-
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] bfloat16 weight -> the same weight in oneDNN's blocked layout, for `linear`.
-
-    F.linear hands oneDNN a plain [out, in] matrix, and oneDNN reorders it into its blocked
-    layout on every call; at decode batch sizes that reorder costs as much as the product.
-    """
-    return torch.ops.mkldnn._reorder_linear_weight(weight)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, or oneDNN's kernel on a prepacked weight (same kernel, same result bits)."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-MASKED = -1e30  # additive attention mask; finite, so an all-masked (padding) query stays finite
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [(H + 2 Hkv) d, D]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [D, H d]
-    o_bias: torch.Tensor | None
-    post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor  # [2 I, D]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [D, I]
-    down_bias: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class LeanDecoder:
-    embed: torch.Tensor  # [V, D]
-    layers: tuple[LayerWeights, ...]
-    norm: torch.Tensor  # [D]
-    lm_head: torch.Tensor  # [V, D]
-    lm_head_bias: torch.Tensor | None
-    eps: float
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    rotary: torch.nn.Module  # the model's rotary embedding: (x, position_ids) -> cos, sin
-
-
-def _plain_weights(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, bias) a linear layer applies now; None if an active, unmerged LoRA adds to it."""
-    base = linear
-    if hasattr(linear, "lora_A") and hasattr(linear, "get_base_layer"):
-        active = [name for name in linear.active_adapters if name in linear.lora_A]
-        if active and not linear.disable_adapters and not linear.merged:
-            return None
-        base = linear.get_base_layer()
-    return base.weight, base.bias
-
-
-def _fuse(parts: list[tuple[torch.Tensor, torch.Tensor | None]]):
-    weight = torch.cat([w for w, _ in parts])
-    if all(b is None for _, b in parts):
-        return weight, None
-    bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
-    return weight, bias
-
-
-def lean_decoder(model, pack: bool = True) -> LeanDecoder | None:
-    """The model's current weights, fused for decoding, or None where this path does not apply.
-
-    With `pack`, weights `can_prepack` are prepacked (a copy: the model's tensors are untouched).
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = base.config
-    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        return None
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
-        return None  # a hook changes what a module returns; only the model's forward runs it
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return None
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return None
-    rotary = base.model.rotary_emb
-    rope_type = str(getattr(rotary, "rope_type", "default"))
-    if "dynamic" in rope_type or rope_type == "longrope":  # tables would depend on the length
-        return None
-    linears = []
-    for block in base.model.layers:
-        attention, mlp = block.self_attn, block.mlp
-        linears.append([_plain_weights(m) for m in (attention.q_proj, attention.k_proj,
-                                                    attention.v_proj, attention.o_proj,
-                                                    mlp.gate_proj, mlp.up_proj, mlp.down_proj)])
-    head = _plain_weights(base.lm_head)
-    if head is None or any(part is None for layer in linears for part in layer):
-        return None
-    packed = pack and can_prepack(head[0])
-    matrix = prepack if packed else (lambda weight: weight)
-    layers = []
-    with torch.no_grad():
-        for block, (q, k, v, o, gate, up, down) in zip(base.model.layers, linears):
-            qkv, qkv_bias = _fuse([q, k, v])
-            gate_up, gate_up_bias = _fuse([gate, up])
-            layers.append(LayerWeights(
-                block.input_layernorm.weight, matrix(qkv), qkv_bias, matrix(o[0]), o[1],
-                block.post_attention_layernorm.weight, matrix(gate_up), gate_up_bias,
-                matrix(down[0]), down[1]))
-        lm_head = matrix(head[0])
-    heads = config.num_attention_heads
-    return LeanDecoder(
-        embed=base.model.embed_tokens.weight, layers=tuple(layers), norm=base.model.norm.weight,
-        lm_head=lm_head, lm_head_bias=head[1], eps=config.rms_norm_eps, heads=heads,
-        kv_heads=config.num_key_value_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        intermediate=config.intermediate_size, rotary=rotary)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

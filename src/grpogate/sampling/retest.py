@@ -14,7 +14,7 @@ import contextlib
 
 from grpogate.config import RunConfig
 from grpogate.distributed import SINGLE, World, agree_stop, in_shard_order, shard
-from grpogate.evidence.assemble import seeds
+from grpogate.seeding import eval_seed
 from grpogate.inputs.policy import Policy, sampling_weights
 from grpogate.inputs.tasks import Problem
 from grpogate.interrupts import StopRequest
@@ -90,7 +90,7 @@ def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]
                 policy.model, policy.tokenizer, [problems[k] for k in positions],
                 [prompts[k] for k in positions], policy_name=name,
                 policy_version=version, verifier=verifier, group_size=group_size,
-                settings=sampling_settings(config), seed=seeds(config.to_dict())["eval"],
+                settings=sampling_settings(config), seed=eval_seed(config.seed),
                 mode=mode, advance=advance, prompt_indexes=positions,
                 shared_prefix=shared_prefix, trace_prefix="eval" if label == "re-test" else label,
                 keep=completions)

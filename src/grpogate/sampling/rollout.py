@@ -17,7 +17,7 @@ import torch
 from grpogate.sampling.decoding import ROW_BUCKET, make_stepper, round_up
 from grpogate.config import RunConfig
 from grpogate.errors import InputError
-from grpogate.evidence.assemble import prompt_seed
+from grpogate.seeding import prompt_seed
 from grpogate.inputs.tasks import Problem
 
 
@@ -38,8 +38,9 @@ class SamplingSettings:
 
 def sampling_settings(config: RunConfig) -> SamplingSettings:
     """The same settings for training rollouts, the re-test and `grpogate eval`."""
-    return SamplingSettings(config.max_new_tokens, config.temperature, config.top_p,
-                            config.generation_batch_size, config.top_k, config.min_p)
+    return SamplingSettings(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                            top_p=config.top_p, batch_size=config.generation_batch_size,
+                            top_k=config.top_k, min_p=config.min_p)
 
 
 @dataclass
@@ -283,9 +284,11 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
                 prompt_index, sample_index = chunk[offset // group_size], offset % group_size
                 completion, stopped = _cut_at_eos(tokens, eos_ids)
                 completions.append(Completion(
-                    prompt_index, sample_index, prompt_token_ids[prompt_index], completion,
-                    tokenizer.decode(completion, skip_special_tokens=True), not stopped,
-                    token_logprobs[:len(completion)]))
+                    prompt_index=prompt_index, sample_index=sample_index,
+                    prompt_token_ids=prompt_token_ids[prompt_index],
+                    completion_token_ids=completion,
+                    text=tokenizer.decode(completion, skip_special_tokens=True),
+                    hit_max_length=not stopped, sampler_logprobs=token_logprobs[:len(completion)]))
     finally:
         model.train(was_training)
     return completions

@@ -102,36 +102,44 @@ class UpdateBatch:
         return len(self) // self.group_count if len(self) else 0
 
 
+@dataclass(frozen=True)
+class RewardComponents:
+    """A step's reward components and how they combine into advantages (TRL's
+    `multi_objective_aggregation`); without them the weighted totals are the one component."""
+
+    values: list[list[float]]  # [N][K] in the reward set's order
+    weights: list[float]  # [K]
+    aggregation: str = "sum_then_normalize"
+
+
 def build_update_batch(prompt_token_ids: list[list[int]], completion_token_ids: list[list[int]],
                        rewards: list[float], group_size: int, *,
-                       components: list[list[float]] | None = None,
-                       weights: list[float] | None = None,
-                       aggregation: str = "sum_then_normalize",
+                       components: RewardComponents | None = None, scale_rewards: str = "group",
                        contributes: list[bool] | None = None,
-                       scale_rewards: str = "group",
                        sampler_logprobs: list[list[float]] | None = None,
-                       sampler_is_old: bool = False) -> UpdateBatch:
+                       old_logprobs: list[list[float]] | None = None) -> UpdateBatch:
     """Sequences arrive grouped (G consecutive per prompt); keep only the valid groups'.
 
-    `rewards` are the weighted totals; `components` [N][K] with `weights` [K] (default: the
-    totals as one component of weight 1) feed the aggregation. `contributes[i]` False keeps
-    sequence i in its group's advantages but out of the loss; a valid group none of whose
-    sequences contributes is dropped, since it would add an optimizer step with no gradient.
-    `sampler_logprobs[i]` (one per completion token) feed the sampler-trainer mismatch and
-    `rollout_correction`; with `sampler_is_old` (the sampler truncated its distribution) they
-    are also the ratio's old log-probs.
+    `rewards` are the weighted totals (what decides a group's validity); `components` feed the
+    aggregation. Per sequence: `contributes[i]` False keeps sequence i in its group's
+    advantages but out of the loss (a valid group none of whose sequences contributes is
+    dropped, since it would add an optimizer step with no gradient); `sampler_logprobs[i]`
+    (one per completion token) feed the sampler-trainer mismatch and `rollout_correction`;
+    `old_logprobs[i]` are the ratio's old log-probs when the sampler truncated its
+    distribution (otherwise the trainer computes them).
     """
     if len(rewards) % group_size:
         raise ValueError(f"{len(rewards)} completions do not form complete groups of {group_size}")
     totals = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)  # [B, G]
-    if components is None:
-        components, weights = [[r] for r in rewards], [1.0]
-    matrix = torch.tensor(components, dtype=torch.float64).view(totals.shape[0], group_size, -1)
+    components = components or RewardComponents(values=[[r] for r in rewards], weights=[1.0])
+    matrix = torch.tensor(components.values, dtype=torch.float64).view(
+        totals.shape[0], group_size, -1)  # [B, G, K]
     valid = valid_group_mask(totals)  # [B]
-    advantages = aggregate_advantages(matrix, torch.tensor(weights, dtype=torch.float64),
-                                      aggregation, valid, scale_rewards)  # [B, G]
-    batch = UpdateBatch([], [], [], [], None if contributes is None else [],
-                        [] if sampler_logprobs is not None and sampler_is_old else None)
+    advantages = aggregate_advantages(matrix, torch.tensor(components.weights, dtype=torch.float64),
+                                      components.aggregation, valid, scale_rewards)  # [B, G]
+    batch = UpdateBatch(prompt_token_ids=[], completion_token_ids=[], advantages=[],
+                        group_index=[], contributes=None if contributes is None else [],
+                        old_logprobs=None if old_logprobs is None else [])
     for group in torch.nonzero(valid).flatten().tolist():
         rows = range(group * group_size, (group + 1) * group_size)
         if contributes is not None and not any(contributes[row] for row in rows):
@@ -146,6 +154,6 @@ def build_update_batch(prompt_token_ids: list[list[int]], completion_token_ids: 
                 batch.contributes.append(bool(contributes[row]))
             if sampler_logprobs is not None:
                 batch.sampler_logprobs.append(list(sampler_logprobs[row]))
-                if sampler_is_old:
-                    batch.old_logprobs.append(list(sampler_logprobs[row]))
+            if old_logprobs is not None:
+                batch.old_logprobs.append(list(old_logprobs[row]))
     return batch

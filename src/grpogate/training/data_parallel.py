@@ -14,6 +14,7 @@ With one process each is the identity (no collective is called).
 from __future__ import annotations
 
 from grpogate.distributed import World, shard
+from grpogate.training.rollback import first_line
 
 
 def deal(world: World, items: list) -> list:
@@ -33,7 +34,7 @@ def run_agreed(world: World, work, kind_of) -> tuple[BaseException | None, tuple
         if kind_of(error) is None:
             raise
         failure = error
-    mine = None if failure is None else (kind_of(failure), _first_line(failure))
+    mine = None if failure is None else (kind_of(failure), first_line(failure))
     reports = world.all_gather_object(mine)
     failed = [(rank, *report) for rank, report in enumerate(reports) if report is not None]
     return failure, (failed[0] if failed else None)
@@ -64,8 +65,3 @@ def merge_counts(world: World, fields: dict, *, maxima=(), same=()) -> dict:
         merged[name] = ([reduce(column) for column in zip(*values)] if isinstance(value, list)
                         else reduce(values))
     return merged
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"

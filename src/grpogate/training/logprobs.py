@@ -190,12 +190,15 @@ def pack_row(prompts: list[list[int]], completions: list[list[int]], per_prompt:
     where = {position: index for index, position in enumerate(unique)}
     completion_ids, completion_mask = right_pad(completions, pad_id, device)
     return PackedRow(
-        torch.tensor([ids], device=device), torch.tensor([positions], device=device),
-        (causal & related).to(device), torch.tensor(unique, device=device),
-        torch.tensor([where[p] for p in predicted_at], dtype=torch.long, device=device),
-        torch.tensor(rows, dtype=torch.long, device=device),
-        torch.tensor(columns, dtype=torch.long, device=device), completion_ids, completion_mask,
-        real)
+        input_ids=torch.tensor([ids], device=device),
+        position_ids=torch.tensor([positions], device=device),
+        allowed=(causal & related).to(device),
+        logit_positions=torch.tensor(unique, device=device),
+        logit_index=torch.tensor([where[p] for p in predicted_at], dtype=torch.long,
+                                 device=device),
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        columns=torch.tensor(columns, dtype=torch.long, device=device),
+        completion_ids=completion_ids, completion_mask=completion_mask, real_tokens=real)
 
 
 def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 64,

@@ -14,6 +14,16 @@ between its rollout and its update; a step stopped there is dropped from the tra
 Under torchrun each rank samples and scores its shard of a round's prompts and every rank
 gathers the whole round, so all ranks hold the same records and take the same decisions;
 stops are agreed at the safe points; only rank 0 writes (its log and checkpoints).
+
+Call map (pipeline._execute calls `train`):
+  train                      one iteration per step, from state.next_step
+    _rollout                 generation rounds until the step has its valid groups
+      _generation_round      sample + score one round (this rank's shard, then gathered)
+        _sample_and_score    sampling.rollout.generate_completions, score_completions, score_rewards
+        _gather_round        every rank's groups in prompt order
+    _admit_rollout           evidence.decisions.check_step_contract, then a safe point
+    _update                  advantages.build_update_batch -> update.update_with_retry
+    _finish_step             the step record, the checkpoint, on_step, one line to the terminal
 """
 
 from __future__ import annotations
@@ -28,15 +38,16 @@ from grpogate.distributed import SINGLE, StageClock, World, agree_stop, in_shard
 from grpogate.errors import plain
 from grpogate.evidence import decisions
 from grpogate.evidence.metrics import rollout_summary
-from grpogate.evidence.assemble import rollout_seed, step_summary, update_throughput
+from grpogate.evidence.assemble import step_summary, update_throughput
 from grpogate.files import JsonlLog
 from grpogate.inputs.policy import Policy, current_version, reference_mode, sampling_weights
 from grpogate.inputs.tasks import Problem
 from grpogate.interrupts import StopRequest
+from grpogate.seeding import rollout_seed
 from grpogate.sampling.decoding import make_stepper, shared_prefix_length
 from grpogate.sampling.rollout import (Completion, generate_completions, sampling_settings,
                                        score_completions, score_rewards, trajectory_records)
-from grpogate.training.advantages import build_update_batch
+from grpogate.training.advantages import RewardComponents, build_update_batch
 from grpogate.training.checkpoint import CheckpointWriter
 from grpogate.training.update import (NonFiniteUpdate, UpdateFailed, UpdateSettings,
                                       update_with_retry)
@@ -115,15 +126,15 @@ class Rollout:
     """One step's sampled and scored group, before its update."""
 
     version: str
-    completions: list[Completion]  # every round's, round after round
-    rewards: list[float]  # weighted totals
-    components: list[list[float]]  # [N][K] in the reward set's order
-    records: list[dict]
-    rounds: list[dict]  # per generation round: seed, prompts, valid groups, seconds
-    decode_path: str
-    rollout_seconds: float
-    verification_seconds: float
     next_prompt: int  # the data cursor after this step
+    completions: list[Completion] = field(default_factory=list)  # every round's, in order
+    rewards: list[float] = field(default_factory=list)  # weighted totals
+    components: list[list[float]] = field(default_factory=list)  # [N][K], reward set's order
+    records: list[dict] = field(default_factory=list)
+    rounds: list[dict] = field(default_factory=list)  # per round: seed, prompts, valid groups, seconds
+    decode_path: str = ""
+    rollout_seconds: float = 0.0
+    verification_seconds: float = 0.0
     log_offset: int = 0  # bytes of trajectories.jsonl once this step's records are in
 
 
@@ -148,8 +159,7 @@ def _rollout(loop: Loop, state: LoopState, step: int) -> Rollout:
     """Sample the step's groups (round 0: P prompts; with dynamic sampling, refill rounds for
     the shortfall of valid groups), score them, log the records."""
     config = loop.config
-    rollout = Rollout(current_version(loop.policy), [], [], [], [], [], "", 0.0, 0.0,
-                      state.next_prompt)
+    rollout = Rollout(version=current_version(loop.policy), next_prompt=state.next_prompt)
     rounds = config.max_generation_rounds if config.dynamic_sampling else 1
     valid_groups, drawn = 0, 0
     for generation_round in range(rounds):
@@ -278,17 +288,20 @@ def _update(loop: Loop, state: LoopState, step: int, rollout: Rollout):
     """The step's optimizer steps on its valid groups; None (and the state says why) when the
     update failed and was rolled back."""
     config, policy = loop.config, loop.policy
+    completions = rollout.completions
+    sampler_logprobs = [c.sampler_logprobs for c in completions]
     batch = build_update_batch(
-        [c.prompt_token_ids for c in rollout.completions],
-        [c.completion_token_ids for c in rollout.completions], rollout.rewards,
-        config.group_size, components=rollout.components,
-        weights=list(loop.reward_set.weights.values()),
-        aggregation=config.multi_objective_aggregation,
-        contributes=([not c.hit_max_length for c in rollout.completions]
-                     if config.mask_truncated_completions else None),
+        [c.prompt_token_ids for c in completions], [c.completion_token_ids for c in completions],
+        rollout.rewards, config.group_size,
+        components=RewardComponents(values=rollout.components,
+                                    weights=list(loop.reward_set.weights.values()),
+                                    aggregation=config.multi_objective_aggregation),
         scale_rewards=config.scale_rewards,
-        sampler_logprobs=[c.sampler_logprobs for c in rollout.completions],
-        sampler_is_old=sampling_settings(config).truncates)
+        contributes=([not c.hit_max_length for c in completions]
+                     if config.mask_truncated_completions else None),
+        sampler_logprobs=sampler_logprobs,
+        # a truncated sampling distribution is the behaviour policy the ratio divides by
+        old_logprobs=sampler_logprobs if sampling_settings(config).truncates else None)
     settings = dataclasses.replace(UpdateSettings.from_config(config),
                                    micro_batch_size=state.micro_batch_size)
 

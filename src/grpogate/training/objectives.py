@@ -1,6 +1,8 @@
 """Objectives: the published policy losses, pure tensor maths (no model, no optimizer).
 
-One function per published piece:
+`micro_batch_loss` is the whole loss of one micro-batch, for every loss type: the per-token
+terms, the mask, the aggregation and the denominator; the update only forwards, calls it,
+back-propagates and steps. It is built from one function per published piece:
 - `importance_log_ratio`: log pi_theta / pi_old per token, or GSPO's length-normalized
   sequence log-ratio (`importance_sampling_level = "sequence"`).
 - `clipped_surrogate`: the PPO/GRPO clipped surrogate with clip-higher and dual clip
@@ -10,7 +12,7 @@ One function per published piece:
 - `rollout_correction_weights`: truncated importance weights pi_old / pi_sampler.
 - `mismatch_terms`: |delta log p| and k3 between sampler and trainer, per token.
 - `high_entropy_mask`: train only on the highest-entropy tokens (arXiv 2506.01939).
-- `aggregate_loss` / `loss_denominator`: the normalizations, one per loss type.
+- `aggregate_loss` / `loss_denominator` / `Denominator`: the normalizations, one per loss type.
 
 How a step's loss is composed: every micro-batch contributes `aggregate_loss(...) /
 denominator`, and the gradients add up over the step's micro-batches, so splitting a step into
@@ -20,6 +22,9 @@ Shapes: N sequences, T completion tokens (right-padded; `mask` [N, T] is 1 on re
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -196,3 +201,118 @@ def policy_token_terms(logp, old_logp, ref_logp, advantages, mask, *, loss_type:
         per_token = per_token * weights
     kl = torch.zeros_like(logp) if ref_logp is None else kl_penalty(logp, ref_logp, kl_estimator)
     return per_token + beta * kl, kl, was_clipped
+
+
+# --- the whole loss of one micro-batch ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The objective's knobs, named as TRL's GRPOConfig names them (config/schema.py documents each)."""
+
+    loss_type: str
+    importance_sampling_level: str
+    epsilon: float
+    epsilon_high: float  # resolved: never 0
+    delta: float
+    beta: float
+    kl_estimator: str
+    top_entropy_quantile: float
+    rollout_correction: str
+    rollout_correction_cap: float
+    max_new_tokens: int  # dr_grpo's constant normalizer
+
+
+@dataclass(frozen=True)
+class Denominator:
+    """What one micro-batch's summed loss is divided by: it depends on the whole optimizer
+    step, so that the micro-batches' gradients add up to the step's (bnpo excepted).
+    Lengths are those of the sequences that add loss (masked truncated ones leave it)."""
+
+    step_lengths: list[int]  # completion lengths of the optimizer step's sequences
+    micro_lengths: list[int]  # ... of this micro-batch's
+    micro_batches: int  # the optimizer step's micro-batch count
+
+    def value(self, loss_type: str, max_new_tokens: int) -> int:
+        if loss_type == "bnpo":
+            # a token mean per micro-batch, divided by the count as TRL's gradient accumulation does
+            return loss_denominator(self.micro_lengths, "bnpo", max_new_tokens) * self.micro_batches
+        return loss_denominator(self.step_lengths, loss_type, max_new_tokens)
+
+
+@dataclass
+class MicroBatchTerms:
+    """One micro-batch's inputs to the loss, [N, T] unless noted."""
+
+    logp: torch.Tensor  # the policy's log-probs, with their gradient
+    old_logp: torch.Tensor  # pi_old, the ratio's denominator
+    advantages: torch.Tensor  # [N]
+    completion_mask: torch.Tensor  # 1 on real completion tokens
+    contributes: torch.Tensor  # [N]: 0 for a sequence that adds no loss (mask_truncated_completions)
+    ref_logp: torch.Tensor | None = None  # the reference policy's; None when beta = 0
+    sampler_logp: torch.Tensor | None = None  # the sampler's own; None when not recorded
+    entropy: torch.Tensor | None = None  # the policy's per-token entropy, when computed
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[N, T]: the tokens in the loss. A cut-off completion's tokens leave the loss (and its
+        denominator) but stay in their group's advantages, computed before the update."""
+        return self.completion_mask * self.contributes[:, None]
+
+
+@dataclass
+class LossMetrics:
+    """What one micro-batch's loss measured, for the update record."""
+
+    tokens: int  # tokens in the loss
+    clipped_tokens: int
+    kl_sum: float
+    trained_tokens: int  # tokens with a non-zero surrogate weight
+    max_abs_log_ratio: float  # max |log pi / pi_old| over the loss's tokens
+    masked_sequences: int  # forwarded for their group but adding no loss
+
+
+def surrogate_weights(terms: MicroBatchTerms, settings: LossSettings) -> torch.Tensor | None:
+    """The per-token weights [N, T] on the surrogate (entropy mask x rollout correction), or
+    None when both are off (then the loss is computed exactly as without them)."""
+    weights = None
+    if settings.top_entropy_quantile < 1.0:
+        weights = high_entropy_mask(terms.entropy, terms.mask, settings.top_entropy_quantile)
+    if settings.rollout_correction != "none":
+        if terms.sampler_logp is None:
+            raise ValueError("rollout_correction needs the sampler's log-probs in the batch")
+        correction = rollout_correction_weights(
+            terms.old_logp, terms.sampler_logp, terms.mask, settings.rollout_correction,
+            settings.rollout_correction_cap)
+        weights = correction if weights is None else weights * correction
+    return weights
+
+
+def micro_batch_loss(terms: MicroBatchTerms, settings: LossSettings,
+                     denominator: Denominator) -> tuple[torch.Tensor, LossMetrics]:
+    """The whole loss of one micro-batch, ready for `backward`, and what it measured.
+
+    Per token, l = surrogate x weights + beta x KL (`policy_token_terms`); over the mask:
+      grpo     sum over sequences of each one's token mean, / the step's sequences
+      bnpo     token sum, / (the micro-batch's tokens x the step's micro-batch count)
+      dapo     token sum, / the step's tokens
+      cispo    token sum (CISPO's surrogate), / the step's tokens
+      dr_grpo  token sum, / (the step's sequences x max_new_tokens)
+    """
+    mask = terms.mask
+    weights = surrogate_weights(terms, settings)
+    per_token, kl, was_clipped = policy_token_terms(
+        terms.logp, terms.old_logp, terms.ref_logp, terms.advantages, mask,
+        loss_type=settings.loss_type, level=settings.importance_sampling_level,
+        epsilon=settings.epsilon, epsilon_high=settings.epsilon_high, delta=settings.delta,
+        beta=settings.beta, kl_estimator=settings.kl_estimator, weights=weights)
+    loss = (aggregate_loss(per_token, mask, settings.loss_type)
+            / denominator.value(settings.loss_type, settings.max_new_tokens))
+    metrics = LossMetrics(
+        tokens=int(mask.sum()),
+        clipped_tokens=int((was_clipped & mask.bool()).sum()),
+        kl_sum=float((kl.detach() * mask).sum()),
+        trained_tokens=int(((weights if weights is not None else mask) * mask > 0).sum()),
+        max_abs_log_ratio=float(((terms.logp.detach() - terms.old_logp).abs() * mask).max()),
+        masked_sequences=len(terms.contributes) - int(terms.contributes.sum()))
+    return loss, metrics

@@ -1,5 +1,8 @@
 """Update: the optimizer steps of one rollout's valid groups, all or nothing.
 
+This module moves data and steps the optimizer: it forwards each micro-batch, hands the
+tensors to `objectives.micro_batch_loss` (the whole loss: terms, mask, aggregation,
+denominator), back-propagates, and steps. The maths lives there.
 Where this departs from the DeepSeekMath GRPO objective (Shao et al. 2024, eq. 3), and why:
 - Only valid groups (rewards not all equal) are forwarded (`advantages.build_update_batch`):
   the others have zero advantage, so zero gradient; their KL term is dropped with them.
@@ -36,7 +39,6 @@ Shapes: N sequences per micro-batch, T completion tokens (right-padded), B group
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
@@ -51,6 +53,8 @@ from grpogate.training.advantages import UpdateBatch
 from grpogate.training.batching import (ForwardShape, micro_batches, pack_rows, padded_rows,
                                         rows_per_prompt, step_plan)
 from grpogate.training.logprobs import PackedGroups, PackedRow, micro_batch_logprobs
+from grpogate.training.rollback import (TrainingSnapshot, first_line, is_out_of_memory,
+                                       release_cached_memory)
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -63,7 +67,7 @@ class UpdateFailed(RuntimeError):
 
 @dataclass
 class UpdateSettings:
-    """The update's knobs (config.py documents each); defaults are RunConfig's."""
+    """The update's knobs (config/schema.py documents each); defaults are RunConfig's."""
 
     max_grad_norm: float = 1.0
     micro_batch_size: int = 16
@@ -90,6 +94,12 @@ class UpdateSettings:
         names = [f.name for f in dataclasses.fields(cls) if f.name not in ("epsilon_high", "layout")]
         return cls(**{name: getattr(config, name) for name in names},
                    epsilon_high=config.resolved_epsilon_high())
+
+    @property
+    def loss(self) -> objectives.LossSettings:
+        """The objective's share of these knobs."""
+        return objectives.LossSettings(**{f.name: getattr(self, f.name)
+                                          for f in dataclasses.fields(objectives.LossSettings)})
 
 
 @dataclass
@@ -118,6 +128,19 @@ class UpdateRecord:
     mismatch_abs_sum: float = 0.0
     mismatch_abs_max: float = 0.0
     mismatch_k3_sum: float = 0.0
+
+    def add_micro_batch(self, sequences: int, metrics: objectives.LossMetrics) -> None:
+        """Count one back-propagated micro-batch of the current pass."""
+        self.sequences += sequences
+        self.masked_sequences += metrics.masked_sequences
+        self.tokens += metrics.tokens
+        self.trained_tokens += metrics.trained_tokens
+        self.kl_sum += metrics.kl_sum
+        self.clipped_tokens += metrics.clipped_tokens
+        self.pass_tokens[-1] += metrics.tokens
+        self.pass_clipped[-1] += metrics.clipped_tokens
+        self.pass_max_abs_log_ratio[-1] = max(self.pass_max_abs_log_ratio[-1],
+                                              metrics.max_abs_log_ratio)
 
     def summary(self) -> dict:
         def mean(total: float, count: int):
@@ -229,30 +252,14 @@ def _old_logprobs(step: _Step, logp: torch.Tensor, micro: list[int]) -> torch.Te
     return padded_rows(micro, step.old_logp, logp)
 
 
-def _surrogate_weights(step: _Step, micro, old, sampler, entropy, mask, record: UpdateRecord):
-    """The per-token weights [N, T] on the surrogate (entropy mask x rollout correction), or
-    None when both are off (then the loss is computed exactly as without them)."""
-    settings, weights = step.settings, None
-    if settings.top_entropy_quantile < 1.0:
-        weights = objectives.high_entropy_mask(entropy, mask, settings.top_entropy_quantile)
-    if settings.rollout_correction != "none":
-        if sampler is None:
-            raise ValueError("rollout_correction needs the sampler's log-probs in the batch")
-        correction = objectives.rollout_correction_weights(
-            old, sampler, mask, settings.rollout_correction, settings.rollout_correction_cap)
-        weights = correction if weights is None else weights * correction
-    record.trained_tokens += int(((weights if weights is not None else mask) * mask > 0).sum())
-    return weights
-
-
-def _record_first_pass(step: _Step, old, sampler, entropy, mask, record: UpdateRecord) -> None:
+def _record_first_pass(terms: objectives.MicroBatchTerms, record: UpdateRecord) -> None:
     """Entropy and the sampler-trainer mismatch, once per row (the first pass)."""
-    real = mask.bool()
-    if entropy is not None:
-        record.entropy_sum += float(entropy[real].sum())
+    real = terms.mask.bool()
+    if terms.entropy is not None:
+        record.entropy_sum += float(terms.entropy[real].sum())
         record.entropy_tokens += int(real.sum())
-    if sampler is not None:
-        absolute, k3 = objectives.mismatch_terms(old, sampler)
+    if terms.sampler_logp is not None:
+        absolute, k3 = objectives.mismatch_terms(terms.old_logp, terms.sampler_logp)
         record.mismatch_tokens += int(real.sum())
         record.mismatch_abs_sum += float(absolute[real].sum())
         record.mismatch_abs_max = max(record.mismatch_abs_max,
@@ -260,68 +267,56 @@ def _record_first_pass(step: _Step, old, sampler, entropy, mask, record: UpdateR
         record.mismatch_k3_sum += float(k3[real].sum())
 
 
-def _backward_micro_batch(step: _Step, micro: list[int], denominator: int,
-                          record: UpdateRecord) -> float:
-    """Forward (reference, then policy), loss, backward for one micro-batch; returns its loss."""
-    settings = step.settings
+def _micro_batch_terms(step: _Step, micro: list[int]) -> objectives.MicroBatchTerms:
+    """Forward the micro-batch (reference, then policy) and line up what the loss reads."""
+    settings, batch = step.settings, step.batch
     packed = step.pack(micro)
     ref_logp = None
     if settings.beta > 0:
         with torch.no_grad(), step.reference_mode():
             ref_logp = step.logprobs(packed, micro)
-    first_pass = step.iteration == 0
-    entropies = [] if first_pass or settings.top_entropy_quantile < 1.0 else None
+    entropies = [] if step.iteration == 0 or settings.top_entropy_quantile < 1.0 else None
     logp = step.logprobs(packed, micro, entropies)
-    entropy = entropies[0] if entropies else None
-    # mask_truncated_completions: a cut-off completion's tokens leave the loss (and its
-    # denominator) but stay in their group's advantages, computed before the update.
-    contributes = torch.tensor([step.batch.contributing(i) for i in micro], device=step.device,
-                               dtype=packed.completion_mask.dtype)  # [N]
-    mask = packed.completion_mask * contributes[:, None]  # [N, T]
     old = _old_logprobs(step, logp, micro)
-    sampler = padded_rows(micro, step.batch.sampler_logprobs, old) if step.batch.sampler_logprobs else None
-    if first_pass:
-        _record_first_pass(step, old, sampler, entropy, mask, record)
-    advantages = torch.tensor([step.batch.advantages[i] for i in micro], device=step.device,
-                              dtype=logp.dtype)
-    per_token, kl, was_clipped = objectives.policy_token_terms(
-        logp, old, ref_logp, advantages, mask, loss_type=settings.loss_type,
-        level=settings.importance_sampling_level, epsilon=settings.epsilon,
-        epsilon_high=settings.epsilon_high, delta=settings.delta, beta=settings.beta,
-        kl_estimator=settings.kl_estimator,
-        weights=_surrogate_weights(step, micro, old, sampler, entropy, mask, record))
-    loss = objectives.aggregate_loss(per_token, mask, settings.loss_type) / denominator
+    return objectives.MicroBatchTerms(
+        logp=logp, old_logp=old,
+        advantages=torch.tensor([batch.advantages[i] for i in micro], device=step.device,
+                                dtype=logp.dtype),
+        completion_mask=packed.completion_mask,
+        contributes=torch.tensor([batch.contributing(i) for i in micro], device=step.device,
+                                 dtype=packed.completion_mask.dtype),
+        ref_logp=ref_logp,
+        sampler_logp=(padded_rows(micro, batch.sampler_logprobs, old)
+                      if batch.sampler_logprobs else None),
+        entropy=entropies[0] if entropies else None)
+
+
+def _backward_micro_batch(step: _Step, micro: list[int], denominator: objectives.Denominator,
+                          record: UpdateRecord) -> float:
+    """Forward, loss (objectives.micro_batch_loss), backward for one micro-batch; returns its
+    loss."""
+    terms = _micro_batch_terms(step, micro)
+    if step.iteration == 0:
+        _record_first_pass(terms, record)
+    loss, metrics = objectives.micro_batch_loss(terms, step.settings.loss, denominator)
     if not torch.isfinite(loss):
         raise NonFiniteUpdate(f"non-finite loss {loss.item()} at update {record.update_count}")
     loss.backward()
-    clipped = int((was_clipped & mask.bool()).sum())
-    record.kl_sum += float((kl.detach() * mask).sum())
-    record.clipped_tokens += clipped
-    record.tokens += int(mask.sum())
-    record.pass_clipped[-1] += clipped
-    record.pass_tokens[-1] += int(mask.sum())
-    log_ratio = float(((logp.detach() - old).abs() * mask).max())
-    record.pass_max_abs_log_ratio[-1] = max(record.pass_max_abs_log_ratio[-1], log_ratio)
-    record.sequences += len(micro)
-    record.masked_sequences += len(micro) - int(contributes.sum())
+    record.add_micro_batch(len(micro), metrics)
     return loss.item()
 
 
-def _denominators(step: _Step, rows: list[int], micros: list[list[int]]) -> list[int]:
-    """Each micro-batch's divisor: the step's `loss_denominator`, or for bnpo (a token mean per
-    micro-batch) the micro-batch's tokens times the micro-batch count, as TRL's gradient
-    accumulation divides."""
-    settings, batch = step.settings, step.batch
+def _denominators(step: _Step, rows: list[int],
+                  micros: list[list[int]]) -> list[objectives.Denominator]:
+    """Each micro-batch's share of its optimizer step, which its loss is divided by."""
+    batch = step.batch
 
     def lengths(indexes: list[int]) -> list[int]:  # masked (truncated) rows leave the divisor
         return [len(batch.completion_token_ids[i]) for i in indexes if batch.contributing(i)]
 
-    if settings.loss_type == "bnpo":
-        return [objectives.loss_denominator(lengths(micro), "bnpo", settings.max_new_tokens)
-                * len(micros) for micro in micros]
-    step_denominator = objectives.loss_denominator(lengths(rows), settings.loss_type,
-                                                   settings.max_new_tokens)
-    return [step_denominator] * len(micros)
+    step_lengths = lengths(rows)
+    return [objectives.Denominator(step_lengths=step_lengths, micro_lengths=lengths(micro),
+                                   micro_batches=len(micros)) for micro in micros]
 
 
 def _optimizer_step(step: _Step, optimizer, parameters, rows: list[int], record: UpdateRecord,
@@ -367,8 +362,9 @@ def grpo_update(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, 
         return record
     parameters = list(parameters)
     plan = step_plan(batch, settings.groups_per_update)
-    step = _Step(model, batch, settings, pad_id, reference_mode,
-                 next(model.parameters()).device, {}, record, world=world)
+    step = _Step(model=model, batch=batch, settings=settings, pad_id=pad_id,
+                 reference_mode=reference_mode, device=next(model.parameters()).device,
+                 old_logp={}, record=record, world=world)
     if batch.old_logprobs is not None:
         # The sampler drew from a truncated distribution (top_k / top_p / min_p): that, not
         # the trainer's full softmax, is the behaviour policy the ratio divides by.
@@ -395,44 +391,7 @@ def merge_records(world: World, record: UpdateRecord) -> UpdateRecord:
         same=("update_count", "losses", "grad_norms")))
 
 
-# --- all-or-nothing updates: rollback, and one retry after an out-of-memory ---------------------
-
-
-@dataclass
-class TrainingSnapshot:
-    """CPU copies of the trainable parameters and the optimizer state before a rollout's update."""
-
-    parameters: list[torch.Tensor]
-    optimizer_state: dict
-
-    @classmethod
-    def take(cls, parameters, optimizer) -> "TrainingSnapshot":
-        def to_cpu(value):
-            if isinstance(value, torch.Tensor):
-                return value.detach().to("cpu", copy=True)
-            if isinstance(value, dict):
-                return {key: to_cpu(item) for key, item in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(to_cpu(item) for item in value)
-            return value
-
-        return cls([p.detach().to("cpu", copy=True) for p in parameters],
-                   to_cpu(optimizer.state_dict()))
-
-    def restore(self, parameters, optimizer) -> None:
-        with torch.no_grad():
-            for parameter, saved in zip(parameters, self.parameters):
-                parameter.copy_(saved.to(parameter.device))
-        # load_state_dict keeps CPU tensors as they are; a deep copy keeps the snapshot intact
-        # for a second restore after the retry.
-        optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
-        optimizer.zero_grad(set_to_none=True)
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    out_of_memory = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-    return isinstance(error, out_of_memory) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+# --- all-or-nothing: roll back on any failure, retry once after an out-of-memory -------------
 
 
 def update_with_retry(model, optimizer, batch: UpdateBatch, settings: UpdateSettings, pad_id: int,
@@ -455,10 +414,10 @@ def update_with_retry(model, optimizer, batch: UpdateBatch, settings: UpdateSett
         snapshot.restore(parameters, optimizer)
         if not is_out_of_memory(error):
             raise
-        first = _first_line(error)
+        first = first_line(error)
     if settings.micro_batch_size == 1:
         raise UpdateFailed(f"out of memory during the update at micro_batch_size 1: {first}")
-    _release_cached_memory()
+    release_cached_memory()
     halved = dataclasses.replace(settings, micro_batch_size=settings.micro_batch_size // 2)
     if on_retry is not None:
         on_retry(first, halved.micro_batch_size)
@@ -470,16 +429,6 @@ def update_with_retry(model, optimizer, batch: UpdateBatch, settings: UpdateSett
         if is_out_of_memory(error):
             raise UpdateFailed(
                 f"out of memory during the update at micro_batch_size {settings.micro_batch_size} "
-                f"and again at {halved.micro_batch_size}: {_first_line(error)}; lower "
+                f"and again at {halved.micro_batch_size}: {first_line(error)}; lower "
                 "micro_batch_size or max_new_tokens") from error
         raise
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
-def _release_cached_memory() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -88,6 +88,20 @@ def refuse_trained_prompts(problems: list, run_dir: str | Path) -> int:
     return len(trained)
 
 
+def _eval_problems(config: RunConfig, exclude_run: str | None,
+                   skip_run: str | None) -> tuple[list, dict, dict | None]:
+    """The eval problems, their identity, and what was checked against a run's training
+    prompts (None when no run was named)."""
+    skipped = frozenset(trained_prompt_ids(skip_run)) if skip_run else frozenset()
+    problems, eval_identity = load_eval_problems(config, skipped)
+    excluded = None
+    if exclude_run or skip_run:
+        checked = exclude_run or skip_run
+        excluded = {"run_dir": str(checked), "skipped_while_drawing": bool(skip_run),
+                    "trained_prompts": refuse_trained_prompts(problems, checked), "shared": 0}
+    return problems, eval_identity, excluded
+
+
 def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, advance=None,
                         exclude_run: str | None = None, skip_run: str | None = None) -> dict:
     """Sample `config.eval_group_size` fresh completions per eval prompt from one policy.
@@ -108,13 +122,7 @@ def evaluate_standalone(config: RunConfig, policy_spec: str, seed: int, advance=
         verifier = get_verifier(config.resolved_verifier())
     except ValueError as error:
         raise InputError(f"verifier: {error}") from None
-    skipped = frozenset(trained_prompt_ids(skip_run)) if skip_run else frozenset()
-    problems, eval_identity = load_eval_problems(config, skipped)
-    excluded = None
-    if exclude_run or skip_run:
-        checked = exclude_run or skip_run
-        excluded = {"run_dir": str(checked), "skipped_while_drawing": bool(skip_run),
-                    "trained_prompts": refuse_trained_prompts(problems, checked), "shared": 0}
+    problems, eval_identity, excluded = _eval_problems(config, exclude_run, skip_run)
     started = time.perf_counter()
     policy = load_policy(config, adapter=config.adapter, seed=config.seed)
     load_seconds = time.perf_counter() - started

@@ -1,6 +1,6 @@
-"""`grpogate gate --from-trl DIR`: parse, call trl_gate, print (cli.py registers it).
+"""`grpogate gate --from-trl DIR`: parse, call trl_gate, print (cli/__init__.py registers it).
 
-The printing is the run's own (`print_result`, handed in by cli.py): a gated run ends exactly
+The printing is the run's own (`print_result`, handed in by cli/__init__.py): a gated run ends exactly
 as a `grpogate run` does, with the gates table, the re-test line and the decision.
 """
 
@@ -10,10 +10,10 @@ from typing import Callable, Optional
 
 import typer
 
-from grpogate.cli_eval import TASK_HELP
+from grpogate.cli.eval_commands import TASK_HELP
 from grpogate.config import load_config
 from grpogate.errors import InputError
-from grpogate.terminal import RichReporter, console, fail, progress_bars
+from grpogate.cli.terminal import RichReporter, console, fail, progress_bars
 
 
 def gate_command(print_result: Callable[[dict, bool], None]):
@@ -54,7 +54,7 @@ def gate_command(print_result: Callable[[dict, bool], None]):
             False, "--exit-code-from-decision", help="Exit 0 on accept, 3 on tune, 4 on reject."),
     ) -> None:
         """Gate a run trained with TRL: admission, the paired re-test, the gates, a manifest."""
-        from grpogate.standalone_eval import parse_policy_spec, parse_tasks_spec
+        from grpogate.review.standalone_eval import parse_policy_spec, parse_tasks_spec
         from grpogate.trl_gate import GateRequest, gate as gate_run
 
         try:

@@ -1,4 +1,5 @@
-"""`grpogate eval` and `grpogate compare`: parse, call standalone_eval, print (cli.py registers them)."""
+"""`grpogate eval` and `grpogate compare`: parse, call review.standalone_eval, print
+(cli/__init__.py registers them)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import typer
 from rich.table import Table
 
 from grpogate.config import load_config
+from grpogate.cli.terminal import console, fail, progress_bars
 from grpogate.errors import InputError, plain
-from grpogate.terminal import console, fail, progress_bars
 
 TASK_HELP = ("The task: reasoning-gym:NAME (e.g. reasoning-gym:leg_counting) or gsm8k:PATH "
              "(directory, .jsonl file or HF dataset id). A new task starts from its "
@@ -46,9 +47,10 @@ def eval_policy(
                                         help="Base weights dtype."),
 ) -> None:
     """Evaluate one policy alone: per-prompt records plus reduced metrics, for `grpogate compare`."""
-    from grpogate.evidence.assemble import EVAL_SEED_OFFSET
+    from grpogate.seeding import eval_seed
     from grpogate.files import atomic_write_json
-    from grpogate.standalone_eval import evaluate_standalone, parse_policy_spec, parse_tasks_spec
+    from grpogate.review.standalone_eval import (evaluate_standalone, parse_policy_spec,
+                                                 parse_tasks_spec)
 
     try:
         if Path(out).exists():
@@ -58,7 +60,7 @@ def eval_policy(
                              device=device, dtype=dtype, eval_prompts=eval_prompts,
                              eval_group_size=group_size, max_new_tokens=max_new_tokens,
                              task=parse_tasks_spec(task) if task else None)
-        sampling_seed = seed if seed is not None else config.seed + EVAL_SEED_OFFSET
+        sampling_seed = seed if seed is not None else eval_seed(config.seed)
         with progress_bars(transient=True) as progress:
             task_id = progress.add_task("evaluate", total=config.eval_prompts * config.eval_group_size)
             document = evaluate_standalone(config, policy, sampling_seed,
@@ -90,7 +92,7 @@ def compare(
     Refuses (exit 2) when their prompt ids, seeds, verifier versions or group sizes differ.
     """
     from grpogate.files import atomic_write_json, read_json
-    from grpogate.standalone_eval import compare_evaluations
+    from grpogate.review.standalone_eval import compare_evaluations
 
     try:
         if out and Path(out).exists():  # it may even be one of the inputs: never overwritten

@@ -5,7 +5,7 @@ few collectives the run needs. Outside torchrun (no WORLD_SIZE in the environmen
 the one-process world, whose collectives return their input without touching
 torch.distributed, so a one-process run takes exactly the code path it always took.
 
-What the run shares, and why each is enough (README "Several processes"):
+What the run shares, and why each is enough (docs/design.md §9):
 - prompts are sharded (`shard`), and every rank gathers the whole step's completions, so each
   holds the same records, the same advantages and the same decisions (dynamic sampling's
   refill, the contract) without a further message;
@@ -14,7 +14,9 @@ What the run shares, and why each is enough (README "Several processes"):
   denominator, so the sum is the one-process gradient;
 - flags (stop requests, a NaN, an out-of-memory) are agreed (`any_rank`) before anyone acts.
 torchrun's elastic agent restarts a failed group; `restart_count` and `job_id` tell a
-restarted worker that it belongs to the same job (pipeline.py resumes it).
+restarted worker that it belongs to the same job, and `elastic` (this package's other module,
+which sits on top: it needs the checkpoints) finds that job's run for pipeline.py to resume.
+The update's share of the deal is training/data_parallel.py.
 """
 
 from __future__ import annotations
@@ -185,8 +187,8 @@ def init_world() -> World:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, **_attempt_store(restart_count, world_size))
-    return World(dist.get_rank(), dist.get_world_size(), local_rank, backend, restart_count,
-                 job_id)
+    return World(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                 backend=backend, restart_count=restart_count, job_id=job_id)
 
 
 def _attempt_store(restart_count: int, world_size: int) -> dict:

@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 from grpogate.errors import command, plain
-from grpogate.terminal import console
+from grpogate.cli.terminal import console
 
 FAILURE_LOG = "torchrun-failure.log"
 QUIET_EXITS = (2, 130, 143)  # rank 0 has said why already

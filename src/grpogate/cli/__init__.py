@@ -1,5 +1,8 @@
 """The command line: parse, call the pipeline, print. No pipeline logic lives here.
 
+`app` is the `grpogate` command (run, decide, sign, report, config show); `eval_commands` adds
+eval / compare, and `terminal` is the output they share (progress bars, the gates table).
+
 Exit codes: 0 the run finished and wrote its decision (whatever it is, unless
 --exit-code-from-decision), 2 bad input (nothing written), 1 an unexpected failure,
 130 / 143 a run stopped by SIGINT / SIGTERM (evidence written with status `interrupted`).
@@ -14,11 +17,13 @@ from typing import Optional
 
 import typer
 
-from grpogate import api, cli_eval, cli_gate
+from grpogate import api
+from grpogate.cli import eval_commands, gate_commands, options
+from grpogate.cli.results import print_audit_lines, print_run_result
+from grpogate.cli.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
+                                   gates_table, progress_bars, quiet_libraries)
 from grpogate.config import load_config
 from grpogate.errors import InputError, command, plain
-from grpogate.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
-                               gates_table, progress_bars, quiet_libraries)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="Auditable GRPO runs that end in an accept / tune / reject decision.")
@@ -67,56 +72,30 @@ def main(
 
 @app.command()
 def run(
-    profile: Optional[str] = typer.Option(None, metavar="NAME", help="Packaged profile: default, "
-                                          "smoke, gsm8k_qwen05b (default: default)."),
-    config_file: str = typer.Option("", "--config", metavar="FILE",
-                                    help="TOML file applied on top of the profile."),
-    gates_file: str = typer.Option("", "--gates", metavar="FILE", help="TOML or JSON file with "
-                                   "one \\[gates] table, applied on top of --config."),
-    overrides: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help="Override any "
-                                        "config key, e.g. task.params.max_digits=3 (grpogate "
-                                        "config show lists them)."),
-    out: Optional[str] = typer.Option(None, metavar="DIR", help="Run directory (must not exist)."),
-    label: Optional[str] = typer.Option(None, metavar="LABEL",
-                                        help="Run label: outputs go to runs/LABEL."),
-    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Base model: bundled id, HF "
-                                        "model directory, .gguf file or HF id."),
-    adapter: Optional[str] = typer.Option(None, metavar="DIR", help="Baseline LoRA adapter "
-                                          "directory (PEFT, safetensors) to start from."),
-    task: Optional[str] = typer.Option(None, metavar="SOURCE:NAME", help=cli_eval.TASK_HELP),
-    steps: Optional[int] = typer.Option(None, metavar="N", help="Training steps (sets "
-                                        "train_prompts = N x prompts_per_step)."),
-    group_size: Optional[int] = typer.Option(None, metavar="G",
-                                             help="Completions sampled per prompt."),
-    learning_rate: Optional[float] = typer.Option(None, "--lr", metavar="LR",
-                                                  help="AdamW learning rate of the LoRA weights."),
-    max_new_tokens: Optional[int] = typer.Option(None, metavar="N",
-                                                 help="Completion token budget."),
-    baseline_manifest: Optional[str] = typer.Option(
-        None, metavar="FILE", help="An accepted run's manifest.json to start from."),
-    seed: Optional[int] = typer.Option(None, metavar="N", help="Run seed."),
-    device: Optional[str] = typer.Option(None, metavar="auto|cpu|cuda", help="Device."),
-    dtype: Optional[str] = typer.Option(None, metavar="float32|bfloat16|auto",
-                                        help="Base weights dtype."),
-    report_to: Optional[str] = typer.Option(
-        None, "--report-to", metavar="NAMES", help="Also log per-step scalars, the decision and "
-        "gains to trackers: tensorboard, mlflow, wandb, trackio (comma-separated)."),
-    tensorboard: Optional[str] = typer.Option(
-        None, "--tensorboard", metavar="DIR",
-        help="Write the TensorBoard event files into DIR (implies --report-to tensorboard)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Check config, inputs and environment only."),
-    resume: Optional[str] = typer.Option(
-        None, "--resume", metavar="RUN_DIR", help="Continue the run in this directory from its "
-        "last checkpoint, with its stored config (other options may only repeat it)."),
-    exit_code_from_decision: bool = typer.Option(
-        False, "--exit-code-from-decision", help="Exit 0 on accept, 3 on tune, 4 on reject."),
-    nproc: Optional[int] = typer.Option(
-        None, "--nproc", metavar="N", min=1, help="Launch the run on N processes on this "
-        "machine under torch's elastic agent (as torchrun --standalone --nproc_per_node N -m "
-        "grpogate run ...); a worker that dies is one error line, its traceback in a log file."),
-    max_restarts: int = typer.Option(
-        0, "--max-restarts", metavar="K", min=0, help="With --nproc: torchrun restarts a failed "
-        "worker group up to K times; the restarted group resumes from the last checkpoint."),
+    profile: Optional[str] = options.PROFILE,
+    config_file: str = options.CONFIG_FILE,
+    gates_file: str = options.GATES_FILE,
+    overrides: list[str] = options.OVERRIDES,
+    out: Optional[str] = options.OUT,
+    label: Optional[str] = options.LABEL,
+    model: Optional[str] = options.MODEL,
+    adapter: Optional[str] = options.ADAPTER,
+    task: Optional[str] = options.TASK,
+    steps: Optional[int] = options.STEPS,
+    group_size: Optional[int] = options.GROUP_SIZE,
+    learning_rate: Optional[float] = options.LEARNING_RATE,
+    max_new_tokens: Optional[int] = options.MAX_NEW_TOKENS,
+    baseline_manifest: Optional[str] = options.BASELINE_MANIFEST,
+    seed: Optional[int] = options.SEED,
+    device: Optional[str] = options.DEVICE,
+    dtype: Optional[str] = options.DTYPE,
+    report_to: Optional[str] = options.REPORT_TO,
+    tensorboard: Optional[str] = options.TENSORBOARD,
+    dry_run: bool = options.DRY_RUN,
+    resume: Optional[str] = options.RESUME,
+    exit_code_from_decision: bool = options.EXIT_CODE_FROM_DECISION,
+    nproc: Optional[int] = options.NPROC,
+    max_restarts: int = options.MAX_RESTARTS,
 ) -> None:
     """Run admission, rollout, GRPO update, independent re-test and delivery."""
     if nproc is not None:
@@ -140,11 +119,11 @@ def run(
 
 def _launch_torchrun(nproc: int, max_restarts: int, run_dir, label, profile, config_file,
                      overrides) -> int:
-    """`grpogate run --nproc N ...` -> the elastic agent (launch.py) with the same arguments,
+    """`grpogate run --nproc N ...` -> the elastic agent (cli/launch.py) with the same arguments,
     less these two."""
     import sys
 
-    from grpogate.launch import expected_run_dir, launch
+    from grpogate.cli.launch import expected_run_dir, launch
 
     run_dir = run_dir or expected_run_dir(label, profile or "default", config_file, overrides)
     return launch(nproc, max_restarts, torchrun_arguments(sys.argv[1:]), run_dir,
@@ -166,10 +145,10 @@ def torchrun_arguments(argv: list[str]) -> list[str]:
 
 def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resume,
          exit_code_from_decision, world, named: dict) -> None:
-    from grpogate import pipeline
+    from grpogate import admission, pipeline
     from grpogate.interrupts import RunInterrupted, exit_code
     from grpogate.pipeline import NullReporter
-    from grpogate.standalone_eval import parse_tasks_spec
+    from grpogate.review.standalone_eval import parse_tasks_spec
 
     config = None
     task = named.pop("task")
@@ -182,7 +161,7 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
             config = load_config(profile or "default", config_file, overrides,
                                  gates_file=gates_file, out=out, label=label, **named)
         if dry_run:
-            report = pipeline.dry_run(config)
+            report = admission.dry_run(config)
             console.print_json(json.dumps(report))
             console.print("[green]dry run passed:[/] configuration, inputs and environment are usable")
             return
@@ -217,77 +196,7 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
         console.print(f"[bold red]stopped at once;[/] continue from the last checkpoint with "
                       f"`{command('grpogate', 'run', '--resume', run_dir)}`", soft_wrap=True)
         raise typer.Exit(130)
-    _print_run_result(evidence, exit_code_from_decision)
-
-
-def safety_lines(evidence: dict) -> list[str]:
-    """The guard set's paired gain and the re-test drift, one line each (when recorded)."""
-    lines = []
-    guard = evidence.get("guard")
-    if isinstance(guard, dict) and not guard.get("enabled"):
-        lines.append(f"guard: {guard.get('note', 'off')}")
-    elif isinstance(guard, dict) and not guard.get("skipped"):
-        gain = guard["paired"]["reward_mean_gain"]
-        lines.append(f"guard ({guard['task']['name']}, {guard['prompts']} prompts x "
-                     f"{guard['group_size']}): mean reward {guard['baseline']['mean_reward']:.4f} "
-                     f"-> {guard['candidate']['mean_reward']:.4f}, gain {gain['point']:+.4f} "
-                     f"[{gain['low']:+.4f}, {gain['high']:+.4f}]")
-    drift = evidence["comparison"].get("drift")
-    if isinstance(drift, dict) and drift.get("kl_to_baseline") is not None:
-        entropy = drift["entropy"]
-        lines.append(f"drift on the re-test: KL(candidate || baseline) "
-                     f"{drift['kl_to_baseline']:.4f} per token, entropy "
-                     f"{entropy['baseline']:.4f} -> {entropy['candidate']:.4f}")
-    return lines
-
-
-def _print_run_result(evidence: dict, exit_code_from_decision: bool) -> None:
-    """The gates table, the re-test line and the decision; exits with the run's code."""
-    from grpogate.config import profile_note
-    from grpogate.evidence.decisions import gain_rule_line
-    from grpogate.interrupts import exit_code
-
-    decision = evidence["decision"]
-    console.print(gates_table(decision))
-    console.print(gain_rule_line(evidence["config"]["gates"]))
-    comparison = evidence["comparison"]
-    if comparison.get("skipped"):
-        console.print("re-test skipped: the run stopped before it")
-    else:
-        console.print(
-            f"re-test (correctness verifier alone) mean reward "
-            f"{comparison['baseline']['mean_reward']:.4f} -> "
-            f"{comparison['candidate']['mean_reward']:.4f}, pass@group "
-            f"{comparison['baseline']['pass_at_group']:.4f} -> "
-            f"{comparison['candidate']['pass_at_group']:.4f}")
-    for line in safety_lines(evidence):
-        console.print(line, soft_wrap=True)
-    dynamic = evidence["rollout"].get("dynamic_sampling") or {}
-    if dynamic.get("enabled"):
-        console.print(f"dynamic sampling: {dynamic['prompts_drawn']} prompts drawn, "
-                      f"{dynamic['groups_kept']} groups kept, {dynamic['refill_prompts']} refill "
-                      f"prompts costing {dynamic['refill_generation_seconds']:.1f} s of generation")
-    style = DECISION_STYLE[decision["decision"]]
-    failed = ", ".join(decision["failed_checks"]) or "none"
-    console.print(f"decision: [{style}]{decision['decision']}[/] (failed checks: {failed})")
-    note = profile_note(evidence["config"]["profile"])
-    if note:
-        console.print(f"[yellow]profile {plain(evidence['config']['profile'])}:[/] "
-                      f"{plain(note)}", soft_wrap=True)
-    console.print(f"evidence: {plain(evidence['run_dir'])}/manifest.json (re-check: "
-                  f"{command('grpogate', 'decide', evidence['run_dir'])})", soft_wrap=True)
-    if evidence["interruption"]:
-        stopped = evidence["interruption"]
-        console.print(f"[bold red]interrupted by {stopped['signal']}[/] {stopped['safe_point']} "
-                      f"after {stopped['completed_steps']} finished step(s); continue it with "
-                      f"`{command('grpogate', 'run', '--resume', evidence['run_dir'])}`",
-                      soft_wrap=True)
-        raise typer.Exit(exit_code(stopped["signal"]))
-    if evidence["failure"]:
-        console.print(f"[bold red]{evidence['status']}[/] at step {evidence['failure']['step']}: "
-                      f"{plain(evidence['failure']['message'])}", soft_wrap=True)
-    if exit_code_from_decision:
-        raise typer.Exit(DECISION_EXIT_CODES[decision["decision"]])
+    print_run_result(evidence, exit_code_from_decision)
 
 
 def _resume_config(run_dir: str, out, label, dry_run: bool, profile, config_file: str,
@@ -307,26 +216,12 @@ def _resume_config(run_dir: str, out, label, dry_run: bool, profile, config_file
 
 @app.command()
 def decide(
-    run_dir: str = typer.Argument(..., metavar="RUN_DIR",
-                                  help="A finished run directory (evidence.json, manifest.json)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the full audit as JSON."),
-    replay: int = typer.Option(0, "--replay", metavar="N", min=0,
-                               help="Also regenerate the re-test completions of the first N eval "
-                               "prompts (both policies) from the delivered artifacts and require "
-                               "them to equal the stored ones (loads the model)."),
-    verify_key: Optional[str] = typer.Option(
-        None, "--verify-key", metavar="PUB",
-        help="Also verify RUN_DIR/run.sig (grpogate sign) with this PEM public key."),
-    trust_reward_code: list[str] = typer.Option(
-        [], "--trust-reward-code", metavar="MODULE:FUNCTION",
-        help="Re-score this user reward by importing and running it (it must be importable "
-        "here, outside RUN_DIR, and its source must hash to the version the run recorded). "
-        "Without it a user reward's values are taken as recorded: decide never runs code a run "
-        "directory names. Repeat for several."),
-    max_rescore: Optional[int] = typer.Option(
-        None, "--max-rescore", metavar="N", min=0,
-        help="Re-run the verifier (and trusted reward code) on a random sample of N records "
-        "only; the others' values are taken as recorded (the seed is printed)."),
+    run_dir: str = options.RUN_DIR,
+    as_json: bool = options.AS_JSON,
+    replay: int = options.REPLAY,
+    verify_key: Optional[str] = options.VERIFY_KEY,
+    trust_reward_code: list[str] = options.TRUST_REWARD_CODE,
+    max_rescore: Optional[int] = options.MAX_RESCORE,
 ) -> None:
     """Re-check a finished run from its files alone and print the decision.
 
@@ -342,11 +237,11 @@ def decide(
         audit = audit_any(run_dir, trusted_rewards=trust_reward_code, max_rescore=max_rescore,
                           announce=lambda line: typer.echo(f"decide: {line}", err=True))
         if replay:
-            from grpogate.replay import apply_replay, replay_retest
+            from grpogate.review.replay import apply_replay, replay_retest
 
             audit = apply_replay(audit, replay_retest(run_dir, replay))
         if verify_key:
-            from grpogate.signing import verify_run
+            from grpogate.review.signing import verify_run
 
             problem = verify_run(run_dir, verify_key)
             audit["signature"] = {"key": verify_key, "verified": problem is None}
@@ -362,7 +257,7 @@ def decide(
         console.print(gates_table({"checks": audit["checks"]}))
         if audit["checks"]:  # an unreadable evidence file has no gates to read
             console.print(plain(audit["gain_rule_line"]), soft_wrap=True)
-        _print_audit_lines(audit, verify_key)
+        print_audit_lines(audit, verify_key)
         if len(audit["mismatches"]) > 50:
             console.print(f"... and {len(audit['mismatches']) - 50} more mismatches (--json lists all)")
         style = DECISION_STYLE[audit["decision"]]
@@ -374,55 +269,9 @@ def decide(
         raise typer.Exit(DECISION_EXIT_CODES["reject"])
 
 
-def rescoring_line(rescoring: dict) -> str:
-    """What decide re-scored and what it took as recorded, in one line."""
-    def names(key: str) -> str:  # names come from the run directory: shown as text
-        return ", ".join(n if n.isprintable() else ascii(n) for n in map(str, rescoring[key]))
-
-    line = f"re-scored: {names('components_rescored')}"
-    if rescoring["components_as_recorded"]:
-        line += (f"; taken as recorded (user code, not run): "
-                 f"{names('components_as_recorded')} (re-score with "
-                 "--trust-reward-code MODULE:FUNCTION)")
-    if rescoring["sample_seed"] is not None:
-        line += (f"; verifier re-run on {rescoring['records_rescored']} of "
-                 f"{rescoring['records']} records (random sample, seed {rescoring['sample_seed']}),"
-                 " the others' values taken as recorded")
-    return line
-
-
-def _print_audit_lines(audit: dict, verify_key) -> None:
-    """Non-default gates, signature, replay and mismatches: every name and value in them is
-    read from the run directory, so each prints as text."""
-    if audit.get("not_checkable"):  # a gated foreign run: what its files cannot prove
-        console.print(f"[yellow]not re-checkable:[/] {plain(audit['not_checkable'])}",
-                      soft_wrap=True)
-    for name, gate in audit.get("non_default_gates", {}).items():
-        console.print(f"[yellow]non-default gate[/] {plain(name)} = {plain(repr(gate['value']))} "
-                      f"(default {plain(repr(gate['default']))})", soft_wrap=True)
-    if audit.get("signature", {}).get("verified"):
-        console.print(f"signature: run.sig verifies with {plain(verify_key)}", soft_wrap=True)
-    if audit.get("rescoring"):
-        console.print(rescoring_line(audit["rescoring"]), soft_wrap=True, markup=False,
-                      highlight=False)
-    if "replay" in audit:
-        from grpogate.replay import replay_summary
-
-        console.print(plain(replay_summary(audit["replay"])), soft_wrap=True)
-    for mismatch in audit["mismatches"][:50]:
-        console.print(f"[red]mismatch[/] {plain(mismatch['field'])}: recorded "
-                      f"{plain(_short(mismatch['recorded']))}, recomputed "
-                      f"{plain(_short(mismatch['recomputed']))}", soft_wrap=True)
-
-
-def _short(value, limit: int = 80) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else value
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-app.command("eval")(cli_eval.eval_policy)
-app.command()(cli_eval.compare)
-app.command("gate")(cli_gate.gate_command(_print_run_result))
+app.command("eval")(eval_commands.eval_policy)
+app.command()(eval_commands.compare)
+app.command("gate")(gate_commands.gate_command(print_run_result))
 
 
 @app.command()
@@ -431,7 +280,7 @@ def sign(
     key: str = typer.Option(..., "--key", metavar="PRIVATE", help="PEM elliptic-curve private key."),
 ) -> None:
     """Sign every file of a finished run (RUN_DIR/run.sig, OpenSSF model-signing, local key)."""
-    from grpogate.signing import sign_run
+    from grpogate.review.signing import sign_run
 
     try:
         path = sign_run(run_dir, key)
@@ -469,7 +318,7 @@ def config_show(
     as_json: bool = typer.Option(False, "--json", help="Print the resolved config as JSON."),
 ) -> None:
     """Every configuration key: its value in the profile, its type and what it means."""
-    from grpogate.config_keys import describe_config
+    from grpogate.config.keys import describe_config
 
     try:
         config = load_config(profile, config_file, overrides)
@@ -506,7 +355,3 @@ def _toml_literal(value) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
     return json.dumps(value) if isinstance(value, str) else repr(value)
-
-
-if __name__ == "__main__":
-    app()

@@ -1,14 +1,14 @@
 """What each configuration key means: `grpogate config show` prints these lines.
 
-Kept beside config.py rather than in it so the typed configuration stays short to read; the
-key names are config.py's own (flattened with dots: task.name, gates.minimum_reward_gain).
+Kept beside the schema rather than in it so the typed configuration stays short to read; the
+key names are the schema's own (flattened with dots: task.name, gates.minimum_reward_gain).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from grpogate.config import RunConfig, flatten
+from grpogate.config.schema import RunConfig, flatten
 
 # One line per key: the only place a key's meaning is written for users (`config show` prints
 # it; tests/test_cli_help.py holds every field of RunConfig to having one, so a new key
@@ -90,7 +90,7 @@ KEY_HELP = {
     "gates.maximum_max_length_hit_ratio": "tune if more completions than this hit max_new_tokens",
     "gates.maximum_peak_allocated_bytes": "tune if peak memory exceeds this",
     "gates.require_significant_gain": "true: gain gates read the 95 % bootstrap lower bound; false: "
-                                      "the point estimate (SPEC §5's gates)",
+                                      "the point estimate (the reference profile's gates)",
     "gates.maximum_retest_kl": "tune if the candidate's mean per-token KL to the baseline on the "
                                "re-test's fresh completions exceeds this; 0: off (still recorded)",
     "gates.maximum_guard_reward_loss": "tune if the candidate is worse on the guard set by more "

@@ -1,0 +1,230 @@
+"""The audit's reading of a run directory: the mismatch collector, the run's files parsed as
+data (a malformed file is a mismatch, not a crash; only regular files inside the run directory
+are read), every hash the manifest pins, and the policy versions recomputed from the adapters'
+own tensors (docs/design.md §7). Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from grpogate.errors import InputError
+from grpogate.evidence.manifest import PROBLEMS_FILE, RUN_FILES, build_manifest, trace_ids_sha256
+from grpogate.files import (ADAPTER_WEIGHTS, confined_file, parse_json, policy_version,
+                            read_confined, safetensors_sha256, sha256_path)
+from grpogate.inputs.tasks import stored_sets
+
+FLOAT_TOLERANCE = 1e-9
+
+
+class Audit:
+    """Collects mismatches as {"field", "recorded", "recomputed"}; recorded first, as stored."""
+
+    def __init__(self) -> None:
+        self.mismatches: list[dict[str, Any]] = []
+
+    def mismatch(self, field: str, recorded: Any = None, recomputed: Any = None) -> None:
+        self.mismatches.append({"field": field, "recorded": recorded, "recomputed": recomputed})
+
+    def compare(self, field: str, recorded: Any, recomputed: Any) -> None:
+        """Walk dicts (and lists of dicts) so the deepest differing field is the one named;
+        lists of numbers (reward groups, histogram counts) are named as a whole."""
+        if isinstance(recomputed, dict):
+            if not isinstance(recorded, dict):
+                self.mismatch(field, recorded, "an object")
+                return
+            for key, value in recomputed.items():
+                if key not in recorded:
+                    self.mismatch(f"{field}.{key}", "missing", value)
+                else:
+                    self.compare(f"{field}.{key}", recorded[key], value)
+        elif (isinstance(recomputed, list) and isinstance(recorded, list)
+              and len(recomputed) == len(recorded) and any(isinstance(v, dict) for v in recomputed)):
+            for index, (old, new) in enumerate(zip(recorded, recomputed)):
+                self.compare(f"{field}[{index}]", old, new)
+        elif not same_value(recorded, recomputed):
+            self.mismatch(field, recorded, recomputed)
+
+
+def same_value(recorded: Any, recomputed: Any) -> bool:
+    """Exact for counts, bools and strings; within FLOAT_TOLERANCE when a float is involved."""
+    if isinstance(recorded, bool) or isinstance(recomputed, bool):
+        return type(recorded) is type(recomputed) and recorded == recomputed
+    if isinstance(recorded, (int, float)) and isinstance(recomputed, (int, float)):
+        if isinstance(recorded, int) and isinstance(recomputed, int):
+            return recorded == recomputed
+        return math.isclose(recorded, recomputed, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
+    if isinstance(recorded, list) and isinstance(recomputed, list):
+        return len(recorded) == len(recomputed) and all(
+            same_value(a, b) for a, b in zip(recorded, recomputed))
+    return recorded == recomputed
+
+
+# --- reading the run ---------------------------------------------------------------------------
+
+def read_object(path: Path, audit: Audit) -> dict | None:
+    """A JSON object file; unreadable content is a mismatch (a tampered file), not a crash.
+    InputError when it is not a regular file inside the run directory, and for JSON no reader
+    may take one way (duplicate keys) or nested past any grpogate file (parse_json)."""
+    try:
+        document = parse_json(read_confined(path.parent, path.name).decode("utf-8"), str(path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        audit.mismatch(f"{path.name} (not valid JSON: {error})")
+        return None
+    if not isinstance(document, dict):
+        audit.mismatch(f"{path.name} (not a JSON object)")
+        return None
+    return document
+
+
+def numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
+    """(1-based line number, record) for every non-blank line; bad lines become mismatches."""
+    try:
+        text = read_confined(path.parent, path.name).decode("utf-8")
+    except InputError as error:
+        audit.mismatch(f"{path.name} ({str(error).removeprefix(path.name + ': ')})")
+        return []
+    except UnicodeDecodeError:
+        audit.mismatch(f"{path.name} (not UTF-8 text)")
+        return []
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = parse_json(line, f"{path}:{number}")
+        except json.JSONDecodeError:
+            audit.mismatch(f"{path.name}:{number} (malformed JSON)")
+            continue
+        if isinstance(record, dict):
+            records.append((number, record))
+        else:
+            audit.mismatch(f"{path.name}:{number} (not a JSON object)")
+    return records
+
+
+def stored_problem_sets(run_dir: Path, audit: Audit) -> dict[str, list] | None:
+    """The run's train, eval and guard problems as problems.jsonl stores them (None: unusable).
+
+    The run directory alone is enough: no task generator or dataset is needed. The file is
+    pinned by the manifest like every other; each prompt id is recomputed from its question
+    and the sets' hashes are compared with the recorded identities (`_reload_references`).
+    """
+    numbered = numbered_jsonl(run_dir / PROBLEMS_FILE, audit)
+    if not numbered:
+        return None
+    try:
+        return stored_sets(numbered, PROBLEMS_FILE)
+    except InputError as error:
+        audit.mismatch(f"{PROBLEMS_FILE} ({error})")
+        return None
+
+
+# --- hashes and versions ---------------------------------------------------------------------------------
+
+def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
+                 trajectories: list[dict]) -> None:
+    """Every file the manifest pins, the trace ids, the adapter, and the manifest's summary."""
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    for name, recorded in files.items():
+        try:
+            path = confined_file(run_dir, name)
+        except InputError as error:  # flagged, and never read
+            audit.mismatch(f"files.{name} ({str(error).removeprefix(f'{name}: ')})", recorded)
+            continue
+        if sha256_path(path) != recorded:
+            audit.mismatch(f"files.{name} sha256", recorded, sha256_path(path))
+    adapter_path = str((evidence.get("artifact") or {}).get("path") or "")
+    on_disk = [name for name in RUN_FILES if confined(run_dir, name)]
+    if adapter_path and (run_dir / adapter_path).is_dir():
+        on_disk += [f"{adapter_path}/{p.name}" for p in sorted((run_dir / adapter_path).glob("*"))]
+    for name in on_disk:
+        if name not in files:
+            audit.mismatch(f"files.{name} (not recorded in the manifest)")
+
+    identity = manifest.get("trajectory_identity") or {}
+    trace_ids = [str(record.get("trace_id")) for record in trajectories]
+    audit.compare("manifest.trajectory_identity", identity, {
+        "trace_count": len(trace_ids), "trace_ids_sha256": trace_ids_sha256(trace_ids),
+        "trajectories_sha256": file_sha(run_dir / "trajectories.jsonl"),
+        "evidence_sha256": file_sha(run_dir / "evidence.json")})
+
+    weights = confined(run_dir, f"{adapter_path}/{ADAPTER_WEIGHTS}") if adapter_path else None
+    audit.compare("artifact.sha256", (evidence.get("artifact") or {}).get("sha256"),
+                  sha256_path(weights) if weights else None)
+    # The rest of the manifest is a summary of the evidence: rebuild it and compare.
+    try:
+        rebuilt = build_manifest(evidence, run_dir, trajectories)
+    except (KeyError, TypeError) as error:
+        audit.mismatch(f"manifest (cannot be rebuilt from the evidence: missing {error})")
+        return
+    unknown_fields(audit, "manifest.json", manifest, rebuilt)
+    for key in ("files", "trajectory_identity"):
+        rebuilt.pop(key)
+    audit.compare("manifest", manifest, rebuilt)
+
+
+def unknown_fields(audit: Audit, name: str, recorded: dict, rebuilt: dict) -> None:
+    """A top-level field the run's own writer never writes is named: a reader of the file
+    must not meet a claim the audit did not check."""
+    for key in recorded:
+        if key not in rebuilt:
+            audit.mismatch(f"{name}: unknown field {key!r}", recorded[key], "absent")
+
+
+def anchored_versions(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, str]:
+    """The policy versions recomputed from the artifacts themselves, not from the hash list.
+
+    A forger who swaps adapter/ for another run's and recomputes every file hash still has to
+    name the candidate's version; here it is recomputed from the adapter's own tensors (the
+    rule of files.tensors_digest, read without torch) and the base model's recorded identity,
+    and the evidence, the manifest and every candidate re-test record must carry it."""
+    inputs, artifact = evidence["inputs"], evidence.get("artifact") or {}
+    base = (inputs.get("model") or {}).get("sha256")
+    versions = {"baseline": inputs.get("baseline_policy_version"),
+                "candidate": artifact.get("new_policy_version")}
+    weights = confined(run_dir, f"{artifact.get('path') or 'adapter'}/{ADAPTER_WEIGHTS}")
+    if weights is not None:
+        versions["candidate"] = _version_of(audit, base, weights,
+                                            "artifact (adapter weights unreadable",
+                                            versions["candidate"])
+    audit.compare("artifact.new_policy_version", artifact.get("new_policy_version"),
+                  versions["candidate"])
+    baseline_adapter = inputs.get("baseline_adapter")
+    baseline_weights = (Path(str(baseline_adapter.get("path"))) / ADAPTER_WEIGHTS
+                        if isinstance(baseline_adapter, dict) else None)
+    if baseline_adapter is None:
+        versions["baseline"] = policy_version(base, None)
+    elif baseline_weights is not None and baseline_weights.is_file():
+        versions["baseline"] = _version_of(audit, base, baseline_weights,
+                                           "inputs.baseline_adapter (unreadable", versions["baseline"])
+    # A baseline adapter that is not on this machine cannot be re-hashed: taken as recorded.
+    audit.compare("inputs.baseline_policy_version", inputs.get("baseline_policy_version"),
+                  versions["baseline"])
+    return versions
+
+
+def _version_of(audit: Audit, base: Any, weights: Path, field: str, recorded: Any) -> Any:
+    """The policy version of `base` + the adapter tensors in `weights`; an unreadable file is a
+    mismatch named `field` and the recorded version stands (so it is not reported twice)."""
+    try:
+        return policy_version(base, safetensors_sha256(weights))
+    except InputError as error:
+        audit.mismatch(f"{field}: {error})")
+        return recorded
+
+
+def file_sha(path: Path) -> str | None:
+    found = confined(path.parent, path.name)
+    return sha256_path(found) if found else None
+
+
+def confined(run_dir: Path, name: str) -> Path | None:
+    """`run_dir/name` when it is a regular file inside the run directory, else None (not read)."""
+    try:
+        return confined_file(run_dir, name)
+    except InputError:
+        return None
