@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import tomllib
 from dataclasses import fields

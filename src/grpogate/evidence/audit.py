@@ -25,7 +25,6 @@ versions are in audit_files.py; the record, step and assembly checks and `audit_
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,7 +39,7 @@ from grpogate.evidence.audit_files import (Audit, anchored_versions, check_hashe
 from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
 from grpogate.evidence.rescore import (RescorePlan, announce_cost, audit_reward_set, describe,
                                       refuse_excess_records, rescored_reward)
-from grpogate.files import confined_file, policy_version
+from grpogate.files import confined_file
 from grpogate.inputs.tasks import load_problem_sets, problem_set_hash
 from grpogate.inputs.verifiers import get_verifier
 

@@ -12,8 +12,6 @@ report_*.png). The figures are drawn by report_figures.py.
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 import shlex
 from pathlib import Path
