@@ -130,6 +130,14 @@ def test_a_trl_run_is_gated_audited_replayed_and_reported(trl_run, tiny_model_di
     assert manifest["files"]["trainer_state.json"] == sha256(out / "trainer_state.json")
     assert {r["policy"] for r in map(json.loads, (run_dir / "eval_completions.jsonl").open())} == {
         "baseline", "candidate"}
+    # The re-test a grpogate run makes: the guard set (the smoke profile's) and the drift too.
+    guard_records = [json.loads(line) for line in (run_dir / "guard_completions.jsonl").open()]
+    guard = evidence["guard"]
+    assert guard["enabled"] is True and "skipped" not in guard
+    assert len(guard_records) == 2 * guard["prompts"] * guard["group_size"]
+    assert manifest["files"]["guard_completions.jsonl"] == sha256(run_dir / "guard_completions.jsonl")
+    assert [c["name"] for c in evidence["decision"]["checks"]].count("guard") == 1
+    assert evidence["comparison"]["drift"]["kl_to_baseline"] >= 0
     assert (run_dir / "report.html").is_file()
     decided = CliRunner().invoke(app, ["decide", str(run_dir), "--replay", "2"])
     assert decided.exit_code == 0 and "agrees" in decided.output, decided.output
@@ -137,6 +145,15 @@ def test_a_trl_run_is_gated_audited_replayed_and_reported(trl_run, tiny_model_di
     # --replay 2 rounds up to the decode batch: all 4 eval prompts x 2 samples x 2 policies
     assert "16/16 completions equal" in decided.output
     assert not marker.exists()
+    # decide re-scores the guard records too: one forged reward is a named mismatch.
+    forged = tmp_path / "forged"
+    shutil.copytree(run_dir, forged)
+    guard_records[0]["reward"] = 1.0 - guard_records[0]["reward"]
+    (forged / "guard_completions.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in guard_records))
+    refused = CliRunner().invoke(app, ["decide", str(forged)])
+    assert refused.exit_code == 4 and "guard_completions.jsonl:1 reward" in refused.output, \
+        refused.output
     if importlib.util.find_spec("model_signing") is not None:  # the signing extra
         private, public = key_pair(tmp_path)
         assert CliRunner().invoke(app, ["sign", str(run_dir), "--key", str(private)]).exit_code == 0

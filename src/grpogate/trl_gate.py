@@ -130,13 +130,37 @@ def admit(config: RunConfig, request: GateRequest) -> Admitted:
                     train, train_identity, isolation)
 
 
-def _retest(admitted: Admitted, policy, candidate_version: str, reporter) -> tuple[list[dict], int]:
+def _guard(admitted: Admitted) -> tuple[list, dict, object]:
+    """The guard set a grpogate run re-tests too (config [guard]; drawn skipping the given train
+    and the eval prompts), its identity and its task's own verifier."""
     config = admitted.config
-    prompts = encode_prompts(policy.tokenizer, admitted.eval_set, config.resolved_system_prompt(),
-                             config.max_prompt_tokens)
-    records, errors = retest_both(policy, admitted.eval_set, prompts, admitted.verifier, config,
-                                  candidate_version, reporter, StopRequest())
-    return records, errors
+    guard_set, identity = tasks.load_guard_set(config.guard, admitted.train or [],
+                                               admitted.eval_set)
+    try:
+        verifier = get_verifier(config.guard.verifier()) if guard_set else None
+    except ValueError as error:
+        raise InputError(f"guard: {error}") from None
+    return guard_set, identity, verifier
+
+
+def _retest(admitted: Admitted, policy, candidate_version: str, reporter, guard_set: list,
+            guard_verifier) -> tuple[list[dict], list[dict], int]:
+    """The re-test as a grpogate run's: eval records with their drift, then the guard set."""
+    config = admitted.config
+
+    def encoded(problems):
+        return encode_prompts(policy.tokenizer, problems, config.resolved_system_prompt(),
+                              config.max_prompt_tokens)
+
+    records, errors = retest_both(policy, admitted.eval_set, encoded(admitted.eval_set),
+                                  admitted.verifier, config, candidate_version, reporter,
+                                  StopRequest(), drift=True)
+    guard_records, guard_errors = [], 0
+    if guard_set:
+        guard_records, guard_errors = retest_both(
+            policy, guard_set, encoded(guard_set), guard_verifier, config, candidate_version,
+            reporter, StopRequest(), group_size=config.guard.group_size, label="guard")
+    return records, guard_records, errors + guard_errors
 
 
 def _copy_inputs(admitted: Admitted, run_dir: Path) -> str:
@@ -161,11 +185,13 @@ def gate(config: RunConfig, request: GateRequest, reporter=None) -> dict:
     identity = baseline_identity(admitted.found.base_model_name, policy.base)
     candidate_version = policy_version(policy.base.sha256, safetensors_sha256(
         admitted.found.adapter_dir / ADAPTER_WEIGHTS))
-    records, errors, evaluation_seconds = [], 0, 0.0
+    guard_set, guard_identity, guard_verifier = _guard(admitted)
+    records, guard_records, errors, evaluation_seconds = [], [], 0, 0.0
     if identity["matches"]:
         attach_candidate(policy, admitted.found.adapter_dir)
         started = time.perf_counter()
-        records, errors = _retest(admitted, policy, candidate_version, reporter)
+        records, guard_records, errors = _retest(admitted, policy, candidate_version, reporter,
+                                                 guard_set, guard_verifier)
         evaluation_seconds = time.perf_counter() - started
     run_dir = admitted.run_dir
     create_run_dir(run_dir)
@@ -174,10 +200,14 @@ def gate(config: RunConfig, request: GateRequest, reporter=None) -> dict:
         facts = _facts(admitted, policy, identity, candidate_version, adapter_sha, errors,
                        {"load": load_seconds, "evaluation": evaluation_seconds,
                         "total": load_seconds + evaluation_seconds})
+        facts["inputs"] |= {"guard_set": guard_identity, "guard_verifier": (
+            {"name": config.guard.verifier(), "version": guard_verifier.version}
+            if guard_verifier is not None else None)}
         evidence = assemble_foreign_evidence(facts, config.to_dict(),
-                                             admitted.found.trainer_state, records)
-        problems = tasks.problem_records(config.task, admitted.train or [], admitted.eval_set)
-        write_run_files(run_dir, evidence, problems, records, [], reporter)
+                                             admitted.found.trainer_state, records, guard_records)
+        problems = tasks.problem_records(config.task, admitted.train or [], admitted.eval_set,
+                                         config.guard, guard_set)
+        write_run_files(run_dir, evidence, problems, records, [], reporter, guard_records)
     evidence["run_dir"] = str(run_dir)
     return evidence
 

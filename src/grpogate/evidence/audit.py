@@ -209,7 +209,7 @@ def compare_rebuilt(audit: Audit, evidence: dict, rebuild: Callable[[], dict]) -
 
 # --- the whole audit ----------------------------------------------------------------------------
 
-def _read_run(audit: Audit, run_dir: Path, guard_expected: bool) -> tuple[dict, list, list, list]:
+def read_run(audit: Audit, run_dir: Path, guard_expected: bool) -> tuple[dict, list, list, list]:
     """The manifest (empty when missing) and the numbered trajectory, re-test and guard
     records (the guard file is read when it exists or the run's config says it must)."""
     manifest: dict = {}
@@ -223,7 +223,7 @@ def _read_run(audit: Audit, run_dir: Path, guard_expected: bool) -> tuple[dict, 
             numbered_jsonl(run_dir / "eval_completions.jsonl", audit), guard)
 
 
-def _guard_expected(evidence: dict) -> bool:
+def guard_expected(evidence: dict) -> bool:
     """A guard file must exist when the config's guard was on and the re-test ran."""
     guard = evidence["config"].get("guard")
     skipped = (evidence.get("comparison") or {}).get("skipped") is True
@@ -266,9 +266,16 @@ def _check_all_records(audit: Audit, evidence: dict, numbered: dict[str, list],
     _check_run_records(audit, evidence, numbered["trajectories"], numbered["eval"],
                        refs.get("train"), refs.get("eval"), verifier, reward_set, policy_versions,
                        plan, train_questions)
-    if numbered["guard"]:
+    check_guard_records(audit, evidence, numbered["guard"], refs.get("guard"), policy_versions)
+
+
+def check_guard_records(audit: Audit, evidence: dict, numbered_guard: list,
+                        guard_refs: dict | None, policy_versions: dict[str, str]) -> None:
+    """The guard set's records re-scored with the guard task's own verifier (a grpogate run and
+    a gated foreign run alike)."""
+    if numbered_guard:
         guard_verifier = _guard_verifier(audit, evidence)
-        check_records(audit, GUARD_FILE, numbered["guard"], guard_verifier, refs.get("guard"),
+        check_records(audit, GUARD_FILE, numbered_guard, guard_verifier, guard_refs,
                       lambda r: {"verifier_version": (evidence["inputs"].get("guard_verifier")
                                                       or {}).get("version"),
                                  "seed": evidence["seeds"]["eval"],
@@ -333,7 +340,7 @@ def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
         return {"run_dir": str(run_dir), "recorded_decision": None, "decision": "reject",
                 "agrees": False, "mismatches": audit.mismatches, "checks": []}
     check_adapter_dir(run_dir, evidence)
-    manifest, *files = _read_run(audit, run_dir, _guard_expected(evidence))
+    manifest, *files = read_run(audit, run_dir, guard_expected(evidence))
     numbered = dict(zip(("trajectories", "eval", "guard"), files))
     refuse_excess_records(evidence["config"], {"trajectories.jsonl": len(numbered["trajectories"]),
                                                "eval_completions.jsonl": len(numbered["eval"]),

@@ -18,14 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from grpogate.errors import InputError
-from grpogate.evidence.audit import (_read_run, _verifier, audit_run, check_records,
-                                     check_retest_records, compare_rebuilt, verdict)
+from grpogate.evidence.audit import (_verifier, audit_run, check_adapter_dir, check_guard_records,
+                                     check_records, check_retest_records, compare_rebuilt,
+                                     guard_expected, read_run, verdict)
 from grpogate.evidence.audit_files import (Audit, anchored_versions, check_hashes, numbered_jsonl,
                                            read_object)
-from grpogate.evidence.manifest import PROBLEMS_FILE
+from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
+from grpogate.evidence.rescore import refuse_excess_records
 from grpogate.evidence.trainer_log import assemble_foreign_evidence, foreign_facts
 from grpogate.files import confined_file, parse_json, read_confined, sha256_path
-from grpogate.inputs.tasks import problem_set_hash, problems_from_records
+from grpogate.inputs.tasks import problem_set_hash, stored_sets
 
 TRAINER_STATE_FILE = "trainer_state.json"  # the foreign log, copied byte for byte into the run
 NOT_CHECKABLE = ("the rollout figures come from the trainer's own log; with no stored "
@@ -62,26 +64,29 @@ def _stored_log(audit: Audit, run_dir: Path, evidence: dict) -> dict | None:
 
 
 def _check_problems(audit: Audit, run_dir: Path, evidence: dict) -> dict | None:
-    """Eval references by prompt id; the stored sets must hash to the recorded identities and
-    be disjoint (problems_from_records refuses an overlap)."""
+    """Eval and guard references by prompt id ({"eval", "guard"}); the stored sets must hash
+    to the recorded identities and be disjoint (stored_sets refuses an overlap)."""
     numbered = numbered_jsonl(run_dir / PROBLEMS_FILE, audit)
     try:
-        train, eval_set = problems_from_records(numbered, PROBLEMS_FILE, allow_empty_train=True)
+        sets = stored_sets(numbered, PROBLEMS_FILE, allow_empty_train=True)
     except InputError as error:
         audit.mismatch(f"{PROBLEMS_FILE} ({error})")
         return None
-    audit.compare("inputs.eval_set.problem_set_sha256",
-                  evidence["inputs"]["eval_set"].get("problem_set_sha256"), problem_set_hash(eval_set))
+    for split in ("eval", "guard") if sets["guard"] else ("eval",):
+        audit.compare(f"inputs.{split}_set.problem_set_sha256",
+                      (evidence["inputs"].get(f"{split}_set") or {}).get("problem_set_sha256"),
+                      problem_set_hash(sets[split]))
     isolation = evidence["foreign"]["admission"]["isolation"]
     audit.compare("foreign.admission.isolation.train_prompts", isolation.get("train_prompts"),
-                  len(train) if isolation.get("checked") else 0)
-    return {p.prompt_id: p.reference for p in eval_set}
+                  len(sets["train"]) if isolation.get("checked") else 0)
+    return {split: {p.prompt_id: p.reference for p in sets[split]} for split in ("eval", "guard")}
 
 
-def _check_assembly(audit: Audit, evidence: dict, log: dict, eval_records: list[dict]) -> None:
+def _check_assembly(audit: Audit, evidence: dict, log: dict, eval_records: list[dict],
+                    guard_records: list[dict]) -> None:
     """The gate's own assembly from the stored log and records: every field as recorded."""
     compare_rebuilt(audit, evidence, lambda: assemble_foreign_evidence(
-        foreign_facts(evidence), evidence["config"], log, eval_records))
+        foreign_facts(evidence), evidence["config"], log, eval_records, guard_records))
 
 
 def audit_foreign_run(run_dir: str | Path) -> dict[str, Any]:
@@ -91,23 +96,30 @@ def audit_foreign_run(run_dir: str | Path) -> dict[str, Any]:
     evidence = read_object(run_dir / "evidence.json", audit)
     if evidence is None:
         raise InputError(f"{run_dir}/evidence.json: unreadable")
-    manifest, _, numbered_eval = _read_run(audit, run_dir)
+    check_adapter_dir(run_dir, evidence)
+    manifest, _, numbered_eval, numbered_guard = read_run(audit, run_dir, guard_expected(evidence))
+    refuse_excess_records(evidence["config"], {"eval_completions.jsonl": len(numbered_eval),
+                                               GUARD_FILE: len(numbered_guard)})
     eval_records = [record for _, record in numbered_eval]
+    guard_records = [record for _, record in numbered_guard]
     try:
         if manifest:
             check_hashes(audit, run_dir, manifest, evidence, [])
         versions = anchored_versions(audit, run_dir, evidence)
         log = _stored_log(audit, run_dir, evidence)
-        eval_refs = _check_problems(audit, run_dir, evidence)
+        refs = _check_problems(audit, run_dir, evidence) or {}
         verifier = _verifier(audit, evidence)
-        check_records(audit, "eval_completions.jsonl", numbered_eval, verifier, eval_refs,
+        check_records(audit, "eval_completions.jsonl", numbered_eval, verifier, refs.get("eval"),
                       lambda r: {"verifier_version": evidence["inputs"]["verifier"]["version"],
                                  "seed": evidence["seeds"]["eval"],
                                  "policy_version": versions.get(r.get("policy"), "a policy")},
                       evidence["config"]["max_new_tokens"])
-        check_retest_records(audit, evidence, eval_records, list(eval_refs) if eval_refs else None)
+        check_guard_records(audit, evidence, numbered_guard, refs.get("guard"), versions)
+        check_retest_records(audit, evidence, eval_records,
+                             list(refs["eval"]) if refs else None, guard_records,
+                             list(refs["guard"]) if refs.get("guard") else None)
         if log is not None:
-            _check_assembly(audit, evidence, log, eval_records)
+            _check_assembly(audit, evidence, log, eval_records, guard_records)
     except (KeyError, TypeError, AttributeError) as error:
         audit.mismatch(f"evidence (malformed: {type(error).__name__} {error})")
     return verdict(audit, run_dir, evidence) | {"not_checkable": NOT_CHECKABLE}

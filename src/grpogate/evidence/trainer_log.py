@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 
 from grpogate.errors import InputError
-from grpogate.evidence import decisions
-from grpogate.evidence.assemble import (EVIDENCE_VERSION, comparison_section, decided,
-                                        run_status, seeds, skipped_comparison)
+from grpogate.evidence import decisions, guard
+from grpogate.evidence.assemble import (EVIDENCE_VERSION, bootstrap_settings, comparison_section,
+                                        decided, run_status, seeds, skipped_comparison)
 
 SOURCE = decisions.FOREIGN_LOG
 SOURCE_NOTE = ("read from the trainer's own log (trainer_state.json log_history); the run "
@@ -191,7 +191,7 @@ def update_from_log(steps: list[dict], trainer_state: dict, settings: dict) -> d
 
 
 def assemble_foreign_evidence(facts: dict, config: dict, trainer_state: dict,
-                              eval_records: list[dict]) -> dict:
+                              eval_records: list[dict], guard_records: list[dict] = ()) -> dict:
     """The evidence document of a gated foreign run, from what the gate knows (`facts`: run_label,
     created, environment, inputs, foreign (with settings and admission), contract, seconds
     (load, evaluation, total), retest_verifier_errors, retest_skipped, resources, artifact)
@@ -217,6 +217,10 @@ def assemble_foreign_evidence(facts: dict, config: dict, trainer_state: dict,
                     "evaluation_seconds": seconds["evaluation"], "checkpoint_seconds": 0.0},
         "resources": facts["resources"], "artifact": facts["artifact"], "steps": steps,
     }
+    guard_result = guard.guard_section(config, list(guard_records), bootstrap_settings(config),
+                                       skipped=facts["retest_skipped"])
+    if guard_result is not None:  # the same guard set and paired statistics as a grpogate run
+        evidence["guard"] = guard_result
     return decided(evidence, config["gates"], seconds["total"])
 
 
