@@ -95,7 +95,9 @@ def test_verifier_exceptions_score_zero_and_are_counted_per_stage(tiny_config, t
     monkeypatch.setattr(admission, "get_verifier", exploding)
     evidence = pipeline.run(tiny_config(tmp_path, eval_prompts=2))
     assert evidence["rollout"]["verifier_errors"] == 4 * 4  # 4 train prompts x G = 4
-    assert evidence["comparison"]["verifier_errors"] == 2 * 2 * 2  # 2 policies x 2 prompts x 2
+    # The re-test stage counts its verifiers' errors together: the eval set's, 2 policies x 2
+    # prompts x 2 samples, and the smoke profile's guard set's, 2 policies x 8 problems x G = 4.
+    assert evidence["comparison"]["verifier_errors"] == 2 * 2 * 2 + 2 * 8 * 4
     assert evidence["rollout"]["mean_reward"] == 0.0
     assert {r["reward"] for r in read_jsonl(Path(evidence["run_dir"]) / "trajectories.jsonl")} == {0.0}
     assert_finished_with(evidence, "no_effective_update")
