@@ -60,10 +60,11 @@ class RunResult:
                    run_dir=Path(evidence["run_dir"]), evidence=evidence)
 
 
-def run(run_config: RunConfig, reporter=None, world=None) -> RunResult:
+def run(run_config: RunConfig, reporter=None, world=None, *, out_name: str = "out") -> RunResult:
     """Run every stage (admission, rollout + update, re-test, delivery) and return the result.
     `reporter` receives progress (`task(description, total)`, `log(message)`); `world` is the
-    torchrun world (the CLI passes it; a script leaves it None: one process)."""
+    torchrun world (the CLI passes it; a script leaves it None: one process); `out_name` is
+    how a full-disk error names the output setting to change (the CLI's is --out)."""
     from grpogate import pipeline
     from grpogate.distributed import SINGLE
 
@@ -75,7 +76,7 @@ def run(run_config: RunConfig, reporter=None, world=None) -> RunResult:
             raise
         # A full or read-only disk: the file and the OS's reason, as one input error.
         raise InputError(f"{error.filename or 'output'}: {error.strerror}; free space or choose "
-                         "another out (a started run continues with --resume)") from None
+                         f"another {out_name} (a started run continues with --resume)") from None
     if run_config.label != checked.label:
         run_config.label = checked.label  # the run named itself: the caller can read it
     return RunResult.from_evidence(evidence)

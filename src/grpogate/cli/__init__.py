@@ -173,7 +173,7 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
                 evidence = pipeline.resume(resume, config, reporter, world,
                                            reward_code=rewards_named_by(config_file, overrides))
             else:
-                evidence = api.run(config, reporter, world).evidence
+                evidence = api.run(config, reporter, world, out_name="--out").evidence
     except InputError as error:
         fail(error)
     except pipeline.UnstartedRunFailed as error:
