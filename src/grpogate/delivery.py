@@ -12,10 +12,19 @@ from pathlib import Path
 import torch
 
 from grpogate.errors import command, plain
+from grpogate.evidence.assemble import library_versions
 from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE, build_manifest
 from grpogate.files import atomic_directory, atomic_write_bytes, atomic_write_json, jsonl_bytes
 from grpogate.inputs.policy import Policy, save_adapter
 from grpogate.training.checkpoint import remove_checkpoints
+
+
+def run_environment(policy: Policy) -> dict:
+    """The evidence's `environment`: library versions and how this process ran the policy
+    (a grpogate run and a gated foreign run record the same fields)."""
+    return library_versions() | {
+        "torch_threads": torch.get_num_threads(), "device": str(policy.device),
+        "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch.")}
 
 
 def peak_memory(device: torch.device) -> dict:

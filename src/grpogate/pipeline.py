@@ -37,10 +37,10 @@ import torch
 
 from grpogate.admission import Admission, admit, check_budget, run_dir_for
 from grpogate.config import RunConfig, resume_config
-from grpogate.delivery import deliver_adapter, peak_memory, write_run_files
+from grpogate.delivery import deliver_adapter, peak_memory, run_environment, write_run_files
 from grpogate.distributed import SINGLE, StageClock, World, agree_stop, elastic
 from grpogate.errors import InputError, plain
-from grpogate.evidence.assemble import assemble_evidence, library_versions
+from grpogate.evidence.assemble import assemble_evidence
 from grpogate.evidence.trackers import Trackers
 from grpogate.files import (ADAPTER_WEIGHTS, JsonlLog, NullLog, RunDirLock, create_run_dir,
                             read_jsonl, remove_staging, sha256_path)
@@ -277,9 +277,7 @@ def run_facts(admission: Admission, prepared: Prepared, opened: OpenRun, seconds
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "loop_status": state.status, "failure": state.failure,
         "interruption": state.interruption, "resumes": opened.resumes,
-        "environment": library_versions() | {
-            "torch_threads": torch.get_num_threads(), "device": str(policy.device),
-            "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch.")},
+        "environment": run_environment(policy),
         "inputs": {
             "model": policy.base.identity(),
             "baseline_adapter": ({"path": admission.adapter, "sha256": policy.baseline_adapter_sha256}

@@ -21,11 +21,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
 
 from grpogate.config import RunConfig, validate
 from grpogate.errors import InputError
-from grpogate.evidence.assemble import library_versions
 from grpogate.evidence.foreign_audit import TRAINER_STATE_FILE
 from grpogate.evidence.trainer_log import SOURCE_NOTE, assemble_foreign_evidence, log_steps
 from grpogate.files import (ADAPTER_WEIGHTS, RunDirLock, atomic_directory, atomic_write_bytes,
@@ -40,7 +38,7 @@ from grpogate.inputs.trl_output import (ADAPTER_CONFIG, TrlOutput, read_settings
 from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import StopRequest
 from grpogate.admission import run_dir_for
-from grpogate.delivery import peak_memory, write_run_files
+from grpogate.delivery import peak_memory, run_environment, write_run_files
 from grpogate.pipeline import NullReporter
 from grpogate.sampling.retest import retest_both
 from grpogate.sampling.rollout import encode_prompts
@@ -220,9 +218,7 @@ def _facts(admitted: Admitted, policy, identity: dict, candidate_version: str, a
     return {
         "run_label": config.label or admitted.run_dir.name,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "environment": library_versions() | {
-            "torch_threads": torch.get_num_threads(), "device": str(policy.device),
-            "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch.")},
+        "environment": run_environment(policy),
         "inputs": {
             "model": policy.base.identity(),
             "baseline_adapter": ({"path": config.adapter, "sha256": policy.baseline_adapter_sha256}
