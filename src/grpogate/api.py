@@ -60,6 +60,13 @@ class RunResult:
                    run_dir=Path(evidence["run_dir"]), evidence=evidence)
 
 
+def output_disk_error(error: OSError, out_name: str = "out") -> InputError:
+    """A full or read-only output disk as one input error: the file and the OS's reason (it is
+    the environment's fault; whatever checkpoint was complete before it stays resumable)."""
+    return InputError(f"{error.filename or 'output'}: {error.strerror}; free space or choose "
+                      f"another {out_name} (a started run continues with --resume)")
+
+
 def run(run_config: RunConfig, reporter=None, world=None, *, out_name: str = "out") -> RunResult:
     """Run every stage (admission, rollout + update, re-test, delivery) and return the result.
     `reporter` receives progress (`task(description, total)`, `log(message)`); `world` is the
@@ -74,9 +81,7 @@ def run(run_config: RunConfig, reporter=None, world=None, *, out_name: str = "ou
     except OSError as error:
         if error.errno not in OUTPUT_ERRNOS:
             raise
-        # A full or read-only disk: the file and the OS's reason, as one input error.
-        raise InputError(f"{error.filename or 'output'}: {error.strerror}; free space or choose "
-                         f"another {out_name} (a started run continues with --resume)") from None
+        raise output_disk_error(error, out_name) from None
     if run_config.label != checked.label:
         run_config.label = checked.label  # the run named itself: the caller can read it
     return RunResult.from_evidence(evidence)

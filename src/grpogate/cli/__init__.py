@@ -182,10 +182,7 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
     except OSError as error:
         if error.errno not in OUTPUT_ERRNOS:
             raise
-        # A full or read-only disk is the environment's fault: say which file and the OS's
-        # reason; whatever checkpoint was complete before it stays resumable.
-        fail(InputError(f"{error.filename or 'output'}: {error.strerror}; free space or choose "
-                         "another --out (a started run continues with --resume)"))
+        fail(api.output_disk_error(error, "--out"))  # a resumed run's full or read-only disk
     except RunInterrupted as interrupted:
         console.print(f"[bold red]{plain(interrupted)}")
         raise typer.Exit(exit_code(interrupted.signal_name))
