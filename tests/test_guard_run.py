@@ -14,6 +14,7 @@ from test_policy import perturb_lora_b
 from grpogate import pipeline
 from grpogate.evidence.audit import audit_run
 from grpogate.inputs.policy import load_policy, sampling_weights
+from grpogate.sampling import drift
 from grpogate.sampling.drift import SWAP_GROUPS, measure_drift
 from grpogate.sampling.rollout import Completion
 from grpogate.training import loop as training
@@ -29,7 +30,11 @@ def _reference(policy, completion, temperature: float, baseline: bool) -> torch.
     return torch.log_softmax(picked / temperature, dim=-1)
 
 
-def test_measure_drift_equals_one_forward_per_sequence(tiny_config, tmp_path):
+@pytest.mark.parametrize("path", ["lean", "model"])
+def test_measure_drift_equals_one_forward_per_sequence(tiny_config, tmp_path, monkeypatch, path):
+    """The lean scorer (Llama here) and the model's own forward (any other architecture)."""
+    if path == "model":
+        monkeypatch.setattr(drift, "lean_decoder", lambda model: None)
     policy = load_policy(tiny_config(tmp_path), seed=0)
     # Prompts and completions of different lengths, more than one batch of them; the prompts
     # share 20 tokens, so the forward's shared prefix (16, a whole width bucket) is cached.

@@ -11,8 +11,10 @@ values to the run's token-weighted means.
 
 Forward passes only, no gradient, with each policy's LoRA merged (`sampling_weights`): a few
 prompts' completions are forwarded under the candidate, then the baseline, so only their full
-distributions are held at a time; each forward is one prompt's completions, the prompt's
-prefix cached once.
+distributions are held at a time; each forward is one prompt's completions. On the lean
+decoder's weights (Llama, Qwen2: decoding.LeanScorer) the prefix every eval prompt shares is
+forwarded once per policy swap, each prompt's own tokens once per group, and the LM head runs on
+completion positions only. Other architectures take the model's forward.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from __future__ import annotations
 import torch
 
 from grpogate.inputs.policy import Policy, sampling_weights
-from grpogate.sampling.decoding import (WIDTH_BUCKET, cache_keyword, round_up,
+from grpogate.sampling.decoding import (WIDTH_BUCKET, LeanScorer, cache_keyword, round_up,
                                        shared_prefix_length)
+from grpogate.sampling.lean_weights import lean_decoder
 
 # Prompts whose full distributions are held between the candidate's and the baseline's
-# forwards: 8 groups x G 4 x ~10 tokens x 49k float32 is about 60 MB.
-SWAP_GROUPS = 8
+# forwards: 16 groups x G 4 x ~14 tokens x 49k float32 is about 180 MB (48 tokens: 600 MB).
+SWAP_GROUPS = 16
 
 
 def _log_softmax_rows(model, completions: list, pad_id: int, temperature: float
@@ -65,6 +68,26 @@ def _log_softmax_rows(model, completions: list, pad_id: int, temperature: float
     return rows
 
 
+def _row_source(model, pad_id: int, temperature: float, prefix: list[int]):
+    """groups -> their completions' log-softmax rows in order, under the weights the model has
+    now: the lean scorer (the shared `prefix` forwarded once, here) where it covers the model,
+    else the model's forward, one prompt at a time."""
+    decoder = lean_decoder(model)
+    if decoder is None:
+        return lambda groups: [r for group in groups
+                               for r in _log_softmax_rows(model, group, pad_id, temperature)]
+    scorer = LeanScorer(decoder, prefix)
+
+    def rows(groups: list[list]) -> list[torch.Tensor]:
+        scored = scorer.score([(list(group[0].prompt_token_ids[len(prefix):]),
+                                [list(c.completion_token_ids) for c in group])
+                               for group in groups], pad_id)
+        return [torch.log_softmax(x.float() / temperature, dim=-1)
+                for logits in scored for x in logits]
+
+    return rows
+
+
 def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
     return -(log_probs.exp() * log_probs).sum(-1)
 
@@ -81,34 +104,44 @@ def _groups(completions: list) -> list[list]:
 
 
 @torch.no_grad()
-def measure_drift(policy: Policy, baseline: list, candidate: list, temperature: float
-                  ) -> tuple[list[dict], list[dict]]:
+def measure_drift(policy: Policy, baseline: list, candidate: list, temperature: float,
+                  shared_prefix: int | None = None) -> tuple[list[dict], list[dict]]:
     """({"entropy"} per baseline completion, {"entropy", "kl_to_baseline"} per candidate
     completion), each a mean over the completion's tokens (0.0 for an empty completion).
 
-    Each forward holds one prompt's completions, so a completion's values never depend on
-    which other prompts a process re-tests: one process and a torchrun shard record the same
-    numbers. The LoRA is merged once per SWAP_GROUPS groups, not per forward."""
+    A completion's values never depend on which other prompts a process re-tests (one prompt
+    per forward of the model, prompts of one shape per lean forward): one process and a
+    torchrun shard record the same numbers. The baseline's LoRA is merged once for its own
+    completions, each policy's once per SWAP_GROUPS prompts of the candidate's. `shared_prefix`:
+    the prefix length the lean forward computes once, fixed over the caller's whole prompt set
+    as in sampling (default: what every completion's prompt shares)."""
     pad_id = policy.tokenizer.pad_token_id
     if pad_id is None:
         pad_id = policy.tokenizer.eos_token_id
+    everything = baseline + candidate
+    if not everything:
+        return [], []
+    prompts = [list(c.prompt_token_ids) for c in everything]
+    shared = shared_prefix_length(prompts)
+    prefix = prompts[0][:shared if shared_prefix is None else min(shared_prefix, shared)]
 
-    def rows(group: list) -> list[torch.Tensor]:
-        return _log_softmax_rows(policy.model, group, pad_id, temperature)
+    def source():
+        return _row_source(policy.model, pad_id, temperature, prefix)
 
     baseline_values, candidate_values = [], []
     groups = _groups(baseline)
-    for start in range(0, len(groups), SWAP_GROUPS):
-        with sampling_weights(policy, baseline=True):
+    with sampling_weights(policy, baseline=True):
+        rows = source()
+        for start in range(0, len(groups), SWAP_GROUPS):
             baseline_values += [{"entropy": _mean(_entropy(r))}
-                                for group in groups[start:start + SWAP_GROUPS] for r in rows(group)]
+                                for r in rows(groups[start:start + SWAP_GROUPS])]
     groups = _groups(candidate)
     for start in range(0, len(groups), SWAP_GROUPS):
         chunk = groups[start:start + SWAP_GROUPS]
         with sampling_weights(policy):
-            mine = [r for group in chunk for r in rows(group)]
+            mine = source()(chunk)
         with sampling_weights(policy, baseline=True):
-            reference = [r for group in chunk for r in rows(group)]
+            reference = source()(chunk)
         for own, base in zip(mine, reference):
             kl = (own.exp() * (own - base)).sum(-1)
             candidate_values.append({"entropy": _mean(_entropy(own)), "kl_to_baseline": _mean(kl)})

@@ -98,7 +98,7 @@ def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]
         mine[name] = (records, completions)
     if drift:
         values = measure_drift(policy, mine["baseline"][1], mine["candidate"][1],
-                               config.temperature)
+                               config.temperature, shared_prefix)
         for (records, _), measured in zip(mine.values(), values):
             for record, extra in zip(records, measured):
                 record.update(extra)
