@@ -105,7 +105,11 @@ class RunConfig:
     top_p: float = 1.0
     top_k: int = 0  # keep the k most likely tokens; 0: off
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0: off
-    generation_batch_size: int = 64
+    # Rows decoded together (whole groups of G). A training step decodes prompts_per_step x G
+    # rows whatever this is; the re-test and the guard set decode up to this many at a time:
+    # measured on the default re-test (128 prompts x 4, bfloat16 kernels), 22.0 s per policy at
+    # 64 rows, 17.1 s at 128, 13.9-15.3 s at 256, for about 0.6 GB more KV cache.
+    generation_batch_size: int = 256
     # DAPO dynamic sampling: while a step has fewer valid groups than prompts_per_step, draw
     # the shortfall of new train prompts, up to max_generation_rounds rounds of generation.
     dynamic_sampling: bool = False
