@@ -182,7 +182,8 @@ def run_eval(spec: dict, out_dir: Path) -> dict:
                                  config.max_prompt_tokens)
         # The same sampling path as grpogate's own re-test (LoRA merged into the weights), so a
         # reloaded grpogate adapter reproduces the run's re-test exactly.
-        mode = lambda: sampling_weights(policy, baseline=(name == "baseline"))  # noqa: E731
+        def mode(policy=policy, baseline=(name == "baseline")):
+            return sampling_weights(policy, baseline=baseline)
         started = time.perf_counter()
         records[name] = evaluate_policy(
             policy.model, policy.tokenizer, eval_set, prompts, policy_name=name,
