@@ -8,8 +8,8 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from grpogate.sampling.decoding import (LeanScorer, LeanStepper, ModelStepper, shared_prefix_length,
-                                       tiled_linear)
+from grpogate.sampling.decoding import LeanStepper, ModelStepper, shared_prefix_length
+from grpogate.sampling.scoring import LeanScorer, tiled_linear
 from grpogate.sampling.lean_weights import can_prepack, lean_decoder, linear, prepack
 from grpogate.inputs.policy import load_policy, sampling_weights
 from grpogate.sampling.rollout import SamplingSettings, generate_completions

@@ -12,7 +12,7 @@ values to the run's token-weighted means.
 Forward passes only, no gradient, with each policy's LoRA merged (`sampling_weights`): a few
 prompts' completions are forwarded under the candidate, then the baseline, so only their full
 distributions are held at a time; each forward is one prompt's completions. On the lean
-decoder's weights (Llama, Qwen2: decoding.LeanScorer) the prefix every eval prompt shares is
+decoder's weights (Llama, Qwen2: scoring.LeanScorer) the prefix every eval prompt shares is
 forwarded once per policy swap, each prompt's own tokens once per group, and the LM head runs on
 completion positions only. Other architectures take the model's forward.
 """
@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 
 from grpogate.inputs.policy import Policy, sampling_weights
-from grpogate.sampling.decoding import (WIDTH_BUCKET, LeanScorer, cache_keyword, round_up,
+from grpogate.sampling.decoding import (WIDTH_BUCKET, cache_keyword, round_up,
                                        shared_prefix_length)
 from grpogate.sampling.lean_weights import lean_decoder
+from grpogate.sampling.scoring import LeanScorer
 
 # Prompts whose full distributions are held between the candidate's and the baseline's
 # forwards: 16 groups x G 4 x ~14 tokens x 49k float32 is about 180 MB (48 tokens: 600 MB).
