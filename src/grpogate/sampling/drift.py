@@ -11,10 +11,10 @@ values to the run's token-weighted means.
 
 Forward passes only, no gradient, with each policy's LoRA merged (`sampling_weights`): a few
 prompts' completions are forwarded under the candidate, then the baseline, so only their full
-distributions are held at a time; each forward is one prompt's completions. On the lean
-decoder's weights (Llama, Qwen2: scoring.LeanScorer) the prefix every eval prompt shares is
-forwarded once per policy swap, each prompt's own tokens once per group, and the LM head runs on
-completion positions only. Other architectures take the model's forward.
+distributions are held at a time. On the lean decoder's weights (Llama, Qwen2:
+scoring.LeanScorer) the prefix every eval prompt shares is forwarded once per policy swap, each
+prompt's own tokens once, and the LM head runs on completion positions only; other
+architectures take the model's forward, one prompt's completions per forward.
 """
 
 from __future__ import annotations
