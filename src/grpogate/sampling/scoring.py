@@ -30,10 +30,13 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     rows; so with every product `tile` rows, a row computes the same numbers in any batch."""
     flat = x.reshape(-1, x.shape[-1])
     count = flat.shape[0]
-    if count % tile:
-        flat = torch.cat([flat, flat.new_zeros(tile - count % tile, flat.shape[1])])
-    out = torch.cat([linear(flat[i:i + tile], weight, bias) for i in range(0, len(flat), tile)])
-    return out[:count].view(*x.shape[:-1], out.shape[-1])
+    whole = count - count % tile
+    pieces = [linear(flat[i:i + tile], weight, bias) for i in range(0, whole, tile)]
+    if whole < count:  # only the last tile is copied, to be padded
+        last = torch.cat([flat[whole:], flat.new_zeros(tile - (count - whole), flat.shape[1])])
+        pieces.append(linear(last, weight, bias)[:count - whole])
+    out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class LeanScorer:
