@@ -90,9 +90,9 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     verifier: str = ""  # empty -> derived from the task
     system_prompt: str = ""  # empty -> derived from the task
-    # 32 steps of 8 prompts; 128 eval prompts x 4 resolve a gain to about +-0.065. Chosen on
+    # 64 steps of 8 prompts; 128 eval prompts x 4 resolve a gain to about +-0.065. Chosen on
     # the development set (bench/default_search.toml, docs/measurements.md), with lr and beta.
-    train_prompts: int = 256
+    train_prompts: int = 512
     eval_prompts: int = 128
 
     # Rollout
@@ -128,7 +128,7 @@ class RunConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_target_modules: str = "all-linear"
-    learning_rate: float = 2e-4
+    learning_rate: float = 1.5e-4
     weight_decay: float = 0.0
     # The objective, named as TRL's GRPOConfig names it (training/objectives.py has the maths).
     # grpo: token mean per sequence, then mean over sequences (DeepSeekMath); bnpo: token mean
