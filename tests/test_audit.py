@@ -109,6 +109,30 @@ def test_edited_evidence_is_a_hash_mismatch(run_dir):
                              "manifest.trajectory_identity.evidence_sha256"]
 
 
+def test_a_file_is_hashed_as_the_audit_read_it(run_dir, monkeypatch):
+    """A file that reads one way when parsed and another when hashed (swapped in between, or
+    served differently to a second open) must not pass: the audit reads each run file once
+    and hashes the bytes it parsed. Here the parse sees evidence.json with one more trailing
+    space (the same JSON, other bytes) while the file on disk keeps the pinned bytes."""
+    from grpogate.evidence import audit_files
+
+    real = audit_files.read_confined
+
+    def served(root, name):
+        data = real(root, name)
+        return data + b" " if name == "evidence.json" else data
+
+    monkeypatch.setattr(audit_files, "read_confined", served)
+    audit = audit_run(run_dir)
+    assert audit["decision"] == "reject"
+    assert fields(audit) == ["files.evidence.json sha256",
+                             "manifest.trajectory_identity.evidence_sha256"]
+    pinned = hashlib.sha256((run_dir / "evidence.json").read_bytes()).hexdigest()
+    assert audit["mismatches"][0]["recorded"] == pinned
+    assert audit["mismatches"][0]["recomputed"] == hashlib.sha256(
+        (run_dir / "evidence.json").read_bytes() + b" ").hexdigest()
+
+
 def test_edited_decision_is_named(run_dir):
     evidence = json.loads((run_dir / "evidence.json").read_text())
     evidence["decision"]["checks"][5]["passed"] = False

@@ -6,6 +6,7 @@ own tensors (docs/design.md §7). Pure Python, no torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -14,17 +15,33 @@ from typing import Any
 from grpogate.errors import InputError
 from grpogate.evidence.manifest import PROBLEMS_FILE, RUN_FILES, build_manifest, trace_ids_sha256
 from grpogate.files import (ADAPTER_WEIGHTS, confined_file, parse_json, policy_version,
-                            read_confined, safetensors_sha256, sha256_path)
+                            read_confined, safetensors_sha256, sha256_confined)
 from grpogate.inputs.tasks import stored_sets
 
 FLOAT_TOLERANCE = 1e-9
 
 
 class Audit:
-    """Collects mismatches as {"field", "recorded", "recomputed"}; recorded first, as stored."""
+    """Collects mismatches as {"field", "recorded", "recomputed"}; recorded first, as stored.
+
+    Keeps the bytes of every file it parsed (`read`), so that a file's hash is taken of the
+    bytes the audit read, never of a second read that a file swapped in between would change.
+    """
 
     def __init__(self) -> None:
         self.mismatches: list[dict[str, Any]] = []
+        self.parsed: dict[Path, bytes] = {}
+
+    def read(self, path: Path) -> bytes:
+        """The bytes of a run file (read_confined), kept for `sha256`."""
+        self.parsed[path] = data = read_confined(path.parent, path.name)
+        return data
+
+    def sha256(self, run_dir: Path, name: str) -> str:
+        """The hash of the bytes parsed from run_dir/name, or of the file (read_confined's
+        rules) when the audit does not parse it; InputError as confined_file raises it."""
+        kept = self.parsed.get(run_dir / name)
+        return hashlib.sha256(kept).hexdigest() if kept is not None else sha256_confined(run_dir, name)
 
     def mismatch(self, field: str, recorded: Any = None, recomputed: Any = None) -> None:
         self.mismatches.append({"field": field, "recorded": recorded, "recomputed": recomputed})
@@ -70,7 +87,7 @@ def read_object(path: Path, audit: Audit) -> dict | None:
     InputError when it is not a regular file inside the run directory, and for JSON no reader
     may take one way (duplicate keys) or nested past any grpogate file (parse_json)."""
     try:
-        document = parse_json(read_confined(path.parent, path.name).decode("utf-8"), str(path))
+        document = parse_json(audit.read(path).decode("utf-8"), str(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         audit.mismatch(f"{path.name} (not valid JSON: {error})")
         return None
@@ -83,7 +100,7 @@ def read_object(path: Path, audit: Audit) -> dict | None:
 def numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
     """(1-based line number, record) for every non-blank line; bad lines become mismatches."""
     try:
-        text = read_confined(path.parent, path.name).decode("utf-8")
+        text = audit.read(path).decode("utf-8")
     except InputError as error:
         audit.mismatch(f"{path.name} ({str(error).removeprefix(path.name + ': ')})")
         return []
@@ -131,12 +148,12 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
     files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
     for name, recorded in files.items():
         try:
-            path = confined_file(run_dir, name)
+            digest = audit.sha256(run_dir, name)
         except InputError as error:  # flagged, and never read
             audit.mismatch(f"files.{name} ({str(error).removeprefix(f'{name}: ')})", recorded)
             continue
-        if sha256_path(path) != recorded:
-            audit.mismatch(f"files.{name} sha256", recorded, sha256_path(path))
+        if digest != recorded:
+            audit.mismatch(f"files.{name} sha256", recorded, digest)
     adapter_path = str((evidence.get("artifact") or {}).get("path") or "")
     on_disk = [name for name in RUN_FILES if confined(run_dir, name)]
     if adapter_path and (run_dir / adapter_path).is_dir():
@@ -149,12 +166,12 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
     trace_ids = [str(record.get("trace_id")) for record in trajectories]
     audit.compare("manifest.trajectory_identity", identity, {
         "trace_count": len(trace_ids), "trace_ids_sha256": trace_ids_sha256(trace_ids),
-        "trajectories_sha256": file_sha(run_dir / "trajectories.jsonl"),
-        "evidence_sha256": file_sha(run_dir / "evidence.json")})
+        "trajectories_sha256": file_sha(audit, run_dir, "trajectories.jsonl"),
+        "evidence_sha256": file_sha(audit, run_dir, "evidence.json")})
 
     weights = confined(run_dir, f"{adapter_path}/{ADAPTER_WEIGHTS}") if adapter_path else None
     audit.compare("artifact.sha256", (evidence.get("artifact") or {}).get("sha256"),
-                  sha256_path(weights) if weights else None)
+                  audit.sha256(run_dir, f"{adapter_path}/{ADAPTER_WEIGHTS}") if weights else None)
     # The rest of the manifest is a summary of the evidence: rebuild it and compare.
     try:
         rebuilt = build_manifest(evidence, run_dir, trajectories)
@@ -217,9 +234,8 @@ def _version_of(audit: Audit, base: Any, weights: Path, field: str, recorded: An
         return recorded
 
 
-def file_sha(path: Path) -> str | None:
-    found = confined(path.parent, path.name)
-    return sha256_path(found) if found else None
+def file_sha(audit: Audit, run_dir: Path, name: str) -> str | None:
+    return audit.sha256(run_dir, name) if confined(run_dir, name) else None
 
 
 def confined(run_dir: Path, name: str) -> Path | None:

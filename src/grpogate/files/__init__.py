@@ -364,12 +364,28 @@ def confined_file(root: str | Path, name: str) -> Path:
     return path
 
 
-def read_confined(root: str | Path, name: str) -> bytes:
-    """The bytes of `confined_file(root, name)`, opened without blocking and checked again on
-    the open descriptor (a file swapped for a FIFO after the check is refused, not waited on)."""
+@contextlib.contextmanager
+def _open_confined(root: str | Path, name: str):
+    """`confined_file(root, name)` opened without blocking and checked again on the open
+    descriptor (a file swapped for a FIFO after the check is refused, not waited on)."""
     path = confined_file(root, name)
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     with os.fdopen(descriptor, "rb") as stream:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
             raise InputError(f"{name}: not a regular file (a folder, FIFO, socket or device)")
+        yield stream
+
+
+def read_confined(root: str | Path, name: str) -> bytes:
+    """The bytes of `confined_file(root, name)`, read as `_open_confined` opens it."""
+    with _open_confined(root, name) as stream:
         return stream.read()
+
+
+def sha256_confined(root: str | Path, name: str) -> str:
+    """The sha256 of `confined_file(root, name)`, streamed as `_open_confined` opens it."""
+    digest = hashlib.sha256()
+    with _open_confined(root, name) as stream:
+        while block := stream.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
