@@ -102,6 +102,21 @@ def test_report_escapes_text_and_survives_a_run_without_steps(run_dir):
     assert len(embedded_pngs(parse(text))) == len(FIGURE_NAMES)
 
 
+@pytest.mark.parametrize("manifest", ['{"files": ["evidence.json"]}', "{not json", None])
+def test_report_says_when_the_manifest_cannot_list_the_files(run_dir, manifest):
+    """A malformed or missing manifest still gets a report, which says the hashes are absent
+    rather than leaving the rows out (a list where the file map belongs crashed it before)."""
+    listed = write_report(run_dir).read_text()
+    assert "run file evidence.json" in listed and "not listed" not in listed
+    if manifest is None:
+        (run_dir / "manifest.json").unlink()
+    else:
+        (run_dir / "manifest.json").write_text(manifest)
+    text = write_report(run_dir).read_text()
+    assert "run file evidence.json" not in text
+    assert "not listed: manifest.json is missing or unreadable" in text
+
+
 def test_report_cli(run_dir, tmp_path):
     result = CliRunner().invoke(app, ["report", str(run_dir)])
     assert result.exit_code == 0, result.output

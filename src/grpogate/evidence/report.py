@@ -374,8 +374,11 @@ def inputs_section(evidence: dict, manifest: dict) -> str:
     for name in ("train_set", "eval_set"):
         for key, value in (inputs.get(name) or {}).items():
             rows.append((f"{name}.{key}", json.dumps(value) if isinstance(value, dict) else value))
-    files = manifest.get("files") or {}
-    rows += [(f"run file {name}", f"sha256 {digest}") for name, digest in files.items()]
+    files = manifest.get("files")
+    if isinstance(files, dict) and files:
+        rows += [(f"run file {name}", f"sha256 {digest}") for name, digest in files.items()]
+    else:  # said, not silently left out: `grpogate decide` names what is wrong with it
+        rows.append(("run files", "not listed: manifest.json is missing or unreadable"))
     return (_h2("inputs", "Input identities")
             + _table(["input", "identity"], [[_e(k), f"<code>{_e(v)}</code>"] for k, v in rows]))
 
