@@ -299,7 +299,7 @@ def test_a_long_re_scoring_announces_its_cost_first(tmp_path):
     run = write_synthetic_run(tmp_path)
 
     def math_verify(evidence):
-        evidence["inputs"]["verifier"] = {"name": "math-verify-v1", "version": "math-verify-v1"}
+        evidence["inputs"]["verifier"] = {"name": "math-verify-v1", "version": "math-verify-v2"}
     edit_json(run / "evidence.json", math_verify)
     result = grpogate("decide", run)
     # 32 records x 5 s (math-verify's per-completion limit) = 160 s at most; x 0.01 s = 0.32 s.

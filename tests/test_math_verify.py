@@ -61,7 +61,7 @@ def test_equivalences(verifier, reference, completion, reward):
 
 
 def test_identity_and_types(verifier):
-    assert verifier.version == "math-verify-v1"
+    assert verifier.name == "math-verify-v1" and verifier.version == "math-verify-v2"
     assert verifier.score(None, "#### 1") == 0.0 and verifier.score("1", None) == 0.0
 
 
@@ -156,8 +156,26 @@ def test_a_gsm8k_run_scored_by_math_verify_names_it_and_audits_clean(tiny_config
                          eval_prompts=2)
     evidence = pipeline.run(config)
     assert evidence["inputs"]["verifier"] == {"name": "math-verify-v1",
-                                              "version": "math-verify-v1"}
-    assert evidence["inputs"]["rewards"][0]["version"] == "math-verify-v1"
+                                              "version": "math-verify-v2"}
+    assert evidence["inputs"]["rewards"][0]["version"] == "math-verify-v2"
     assert evidence["environment"]["math-verify"] == "0.9.0"
     audit = audit_run(evidence["run_dir"])  # re-scores every completion with math-verify again
     assert audit["mismatches"] == [] and audit["agrees"]
+
+
+def test_a_run_scored_by_the_first_version_is_named_by_the_audit(tmp_path):
+    """v1 read a bare LaTeX reference as text; v2 reads it as LaTeX. A run whose evidence says
+    v1 scored it is not silently re-scored by v2: the audit names the version."""
+    import json
+
+    from synthetic_run import write_synthetic_run
+
+    from grpogate.evidence.audit import audit_run
+
+    run = write_synthetic_run(tmp_path)
+    evidence = json.loads((run / "evidence.json").read_text())
+    evidence["inputs"]["verifier"] = {"name": "math-verify-v1", "version": "math-verify-v1"}
+    (run / "evidence.json").write_text(json.dumps(evidence))
+    mismatches = {m["field"]: m for m in audit_run(run)["mismatches"]}
+    assert mismatches["inputs.verifier.version"]["recorded"] == "math-verify-v1"
+    assert mismatches["inputs.verifier.version"]["recomputed"] == "math-verify-v2"

@@ -30,7 +30,7 @@ from grpogate.inputs.rewards import (CORRECTNESS, TRL_SIGNATURE_SUFFIX, RewardSe
 
 # Typical seconds per re-scored record of the verifiers whose cost is worth saying: math-verify
 # scores in a sandboxed child (measured about 1 ms for a short boxed answer on a 2-core Xeon;
-# taken 10x for long completions), each call bounded by its time limit (the "at most").
+# taken 10x for long completions), each call bounded by its time limit (the "at most"); by name.
 TYPICAL_SECONDS = {"math-verify-v1": 0.01}
 ANNOUNCE_AFTER_SECONDS = 30.0  # a worst case past this is announced before the work starts
 
@@ -98,7 +98,7 @@ def estimate_seconds(verifier, reward_set: RewardSet | None, records: int) -> tu
     """(typical, at most) seconds to re-score `records` records: the verifier's per-completion
     time limit bounds each call, and a trusted user reward's own limit each of its calls."""
     limit = float(getattr(verifier, "time_limit_seconds", 0.0) or 0.0)
-    typical = TYPICAL_SECONDS.get(getattr(verifier, "version", ""), 0.0)
+    typical = TYPICAL_SECONDS.get(getattr(verifier, "name", ""), 0.0)
     if reward_set is not None:
         called = [name for name in user_reward_names([{"name": n} for n in reward_set.weights])
                   if name not in reward_set.as_recorded]
@@ -111,7 +111,7 @@ def announce_cost(announce: Callable[[str], None] | None, verifier, reward_set,
     typical, at_most = estimate_seconds(verifier, reward_set, plan.rescored)
     if announce is not None and at_most > ANNOUNCE_AFTER_SECONDS:
         announce(f"re-scoring {plan.rescored} of {plan.records} records with "
-                 f"{getattr(verifier, 'version', 'the verifier')}: about {typical:.0f} s, at most "
+                 f"{getattr(verifier, 'name', 'the verifier')}: about {typical:.0f} s, at most "
                  f"{at_most:.0f} s (each call's time limit); --max-rescore N re-scores a sample")
 
 

@@ -219,7 +219,11 @@ class MathVerifyVerifier:
     MAX_CHARS (never sent) scores 0.0 and counts in `error_count`.
     """
 
-    name = version = MATH_VERIFY
+    name = MATH_VERIFY
+    # `name` is what a config says; `version` changes with what the verifier does. v2: a bare
+    # LaTeX reference (no `$`) is read wrapped in `$...$` (math_verify_worker.gold_text); v1
+    # read it as text, so a run scored by v1 re-scores differently, and the audit names it.
+    version = "math-verify-v2"
     MAX_CHARS = 20_000  # about 5,000 tokens: longer than any budget here; a 1 MB string is refused
     STARTUP_SECONDS = 120.0  # importing sympy on a busy 2-core machine
 
@@ -336,7 +340,7 @@ def check_references(verifier: Verifier, problems: list) -> None:
         if not readable(problem.reference):
             from grpogate.errors import InputError
 
-            raise InputError(f"{problem.source}: field \"answer\": {verifier.version} cannot "
+            raise InputError(f"{problem.source}: field \"answer\": {verifier.name} cannot "
                              f"read the reference answer {problem.reference[-80:]!r} as math "
                              "(not even as $...$ LaTeX); fix it, or choose another verifier")
 
