@@ -186,7 +186,7 @@ def _row_uniforms(generators: list, rows: torch.Tensor, group_size: int) -> torc
     return table.view(-1)[rows.cpu()].unsqueeze(1).to(rows.device)
 
 
-@torch.no_grad()
+@torch.inference_mode()  # no autograd bookkeeping per op: measured 1.045x tokens/s, same tokens
 def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings: SamplingSettings,
                    eos_ids: set[int], pad_id: int, generator, device,
                    advance=None, shared: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
