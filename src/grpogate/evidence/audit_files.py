@@ -169,9 +169,9 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
         "trajectories_sha256": file_sha(audit, run_dir, "trajectories.jsonl"),
         "evidence_sha256": file_sha(audit, run_dir, "evidence.json")})
 
-    weights = confined(run_dir, f"{adapter_path}/{ADAPTER_WEIGHTS}") if adapter_path else None
     audit.compare("artifact.sha256", (evidence.get("artifact") or {}).get("sha256"),
-                  audit.sha256(run_dir, f"{adapter_path}/{ADAPTER_WEIGHTS}") if weights else None)
+                  file_sha(audit, run_dir, f"{adapter_path}/{ADAPTER_WEIGHTS}")
+                  if adapter_path else None)
     # The rest of the manifest is a summary of the evidence: rebuild it and compare.
     try:
         rebuilt = build_manifest(evidence, run_dir, trajectories)
