@@ -141,9 +141,11 @@ def _attention(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, mask
 
 
 def decoder_layers(decoder: LeanDecoder, hidden: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, mask: torch.Tensor, attend, linear=linear) -> torch.Tensor:
-    """hidden [N, T, D] through every block; attend(i, k, v) -> (keys_t, values) layer i reads;
-    `linear(x, weight, bias)` runs the matrix products."""
+                   sin: torch.Tensor, mask: torch.Tensor, attend, linear=linear,
+                   attention=_attention) -> torch.Tensor:
+    """hidden [N, T, D] through every block; attend(i, k, v) -> (keys, values) layer i reads,
+    `attention(q, keys, values, mask, scale)` reads them (default: keys transposed [N, Hkv, d,
+    L], values [N, Hkv, L, d]); `linear(x, weight, bias)` runs the matrix products."""
     n, t, _ = hidden.shape
     h, kv, d, inter = decoder.heads, decoder.kv_heads, decoder.head_dim, decoder.intermediate
     scale = d ** -0.5
@@ -152,8 +154,8 @@ def decoder_layers(decoder: LeanDecoder, hidden: torch.Tensor, cos: torch.Tensor
         qkv = linear(x, layer.qkv, layer.qkv_bias)  # [N, T, (H + 2 Hkv) d]
         qk = _rotate(qkv[..., :(h + kv) * d].view(n, t, h + kv, d), cos, sin)
         keys_t, values = attend(index, qk[:, :, h:], qkv[..., (h + kv) * d:].view(n, t, kv, d))
-        attention = _attention(qk[:, :, :h], keys_t, values, mask, scale)
-        hidden = hidden + linear(attention, layer.o, layer.o_bias)
+        attended = attention(qk[:, :, :h], keys_t, values, mask, scale)
+        hidden = hidden + linear(attended, layer.o, layer.o_bias)
         gate_up = linear(_rms_norm(hidden, layer.post_norm, decoder.eps), layer.gate_up,
                          layer.gate_up_bias)  # [N, T, 2 I]
         hidden = hidden + linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:],
@@ -191,16 +193,21 @@ def shared_prefix_length(prompts: list[list[int]]) -> int:
 
 
 class LeanStepper:
-    """Prefill a batch of prompts once, repeat it G times, then decode one token per call.
+    """Prefill a batch of prompts once, then decode one token per call for G rows per prompt.
 
-    Cache columns: [shared prefix | each prompt's suffix, left-padded | completion]. The prefix
-    the prompts have in common (system prompt and chat template, typically) is computed once at
-    batch 1; each prompt's suffix, forwarded alone, attends to it (measured on the bench rollout: prefill 0.22
-    -> 0.15 s). State per layer: keys transposed [N, Hkv, d, C] and values [N, Hkv, C, d]; an
-    additive mask [N, C] (padding and not-yet-written columns), each row's position, the
-    filled columns. Decoding attends over the whole buffer, masked: bfloat16 bmm on the CPU
-    copies a non-contiguous operand, and a cache slice is one (score matmul at batch 64: 70
-    against 109 us; over a whole rollout the two were within noise).
+    The cache holds each prompt's part once, not once per row: keys transposed [n, Hkv, d, S]
+    and values [n, Hkv, S, d] over the columns [shared prefix | the prompt's suffix,
+    left-padded], S in all, with an additive mask [n, S] for the padding; and each row's own
+    generated part, keys and values [N, Hkv, T, d]. The prefix the prompts have in common
+    (system prompt and chat template, typically) is computed once at batch 1; each prompt's
+    suffix, forwarded alone, attends to it (measured on the bench rollout: prefill 0.22 ->
+    0.15 s). A decode step attends a row to its prompt's part in one matrix product per
+    prompt (its G rows' queries against keys read once, `_step_attention`) and to its own
+    columns, one softmax over both. Reading the prompt's keys once per row, as a cache
+    repeated G times does, made attention and cache writes about 40 % of a decode step at
+    batch 64 (bf16 kernels: the prompt is 80 of 128 columns there).
+    Row r of the prefill's batch is slot r = prompt x G + sample; `slots` maps the rows still
+    in the batch to theirs, since finished rows leave it (`select`).
     """
 
     name = "lean"
@@ -217,26 +224,27 @@ class LeanStepper:
         set (`shared_prefix_length` of all train or eval prompts) so that a prompt's numerics
         do not depend on which prompts share its batch or rank; default: this batch's."""
         dec = self.decoder
-        rows = len(prompts) * group_size
         dtype, device = dec.embed.dtype, dec.embed.device
         shared = shared_prefix_length(prompts) if shared is None else min(
             shared, shared_prefix_length(prompts))
         suffixes = [p[shared:] for p in prompts]
         width = round_up(max(len(x) for x in suffixes), WIDTH_BUCKET)
-        capacity = shared + width + max_new_tokens
-        cos, sin = dec.rotary(dec.embed[:1], torch.arange(capacity, device=device)[None])
+        span = shared + width
+        cos, sin = dec.rotary(dec.embed[:1], torch.arange(span + max_new_tokens, device=device)[None])
         self.cos, self.sin = cos[0], sin[0]  # [C, d]
         # Zeros, not empty: masked columns get probability 0, and 0 x NaN would still be NaN.
-        self.keys = [torch.zeros((rows, dec.kv_heads, dec.head_dim, capacity), dtype=dtype,
-                                 device=device) for _ in dec.layers]
-        self.values = [torch.zeros((rows, dec.kv_heads, capacity, dec.head_dim), dtype=dtype,
-                                   device=device) for _ in dec.layers]
+        self.prompt_keys, self.prompt_values, self.keys, self.values = (
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in dec.layers] for shape in (
+                (len(prompts), dec.kv_heads, dec.head_dim, span),
+                (len(prompts), dec.kv_heads, span, dec.head_dim),
+                (len(prompts) * group_size, dec.kv_heads, max_new_tokens, dec.head_dim),
+                (len(prompts) * group_size, dec.kv_heads, max_new_tokens, dec.head_dim)))
 
-        def store(index, k, v, start, members=slice(None)):  # k/v [1, T, Hkv, d] -> G rows
+        def store(index, k, v, start, members=slice(None)):  # k/v [1, T, Hkv, d] -> prompts
             k_t, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)  # [1, Hkv, d, T], [1, Hkv, T, d]
             end = start + k.shape[1]
-            self.keys[index][members, ..., start:end] = k_t
-            self.values[index][members, :, start:end] = v
+            self.prompt_keys[index][members, ..., start:end] = k_t
+            self.prompt_values[index][members, :, start:end] = v
             return k_t, v
 
         prefix = {}
@@ -251,20 +259,21 @@ class LeanStepper:
             decoder_layers(dec, F.embedding(ids, dec.embed), self.cos[positions][:, :, None],
                            self.sin[positions][:, :, None], causal_mask(torch.ones_like(ids)),
                            attend_prefix)
-        suffix_mask, last_logits = self._prefill_suffixes(suffixes, pad_id, group_size, shared,
-                                                          width, prefix, store)
-        self.mask = torch.full((rows, capacity), MASKED, device=device)
-        self.mask[:, :shared] = 0.0
-        self.mask[:, shared:shared + width] = torch.where(
-            suffix_mask.bool(), 0.0, MASKED).repeat_interleave(group_size, dim=0)
+        suffix_mask, last_logits = self._prefill_suffixes(suffixes, pad_id, shared, width,
+                                                          prefix, store)
+        self.prompt_mask = torch.full((len(prompts), span), MASKED, device=device)
+        self.prompt_mask[:, :shared] = 0.0
+        self.prompt_mask[:, shared:] = torch.where(suffix_mask.bool(), 0.0, MASKED)
         positions = shared + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [n, W]
         self.positions = positions[:, -1].repeat_interleave(group_size, dim=0)  # [N]
-        self.filled = shared + width
+        self.group, self.generated = group_size, 0
+        self.slots = torch.arange(len(prompts) * group_size, device=device)
+        self.all_slots = True  # no row has left: row r is slot r
         return last_logits.repeat_interleave(group_size, dim=0)
 
-    def _prefill_suffixes(self, suffixes, pad_id, group_size, shared, width, prefix, store):
+    def _prefill_suffixes(self, suffixes, pad_id, shared, width, prefix, store):
         """Each prompt's own tokens, forwarded alone at their own padded width, its block flush
-        right in the batch's W columns: -> (real-token mask [n, W], next-token logits [n, V]).
+        right in the prompt's W columns: -> (real-token mask [n, W], next-token logits [n, V]).
 
         Alone because a matmul's rows can round differently at another row count (measured:
         1 ulp of a first token's log-prob between batch 1 and 2 on the CPU), and a prompt must
@@ -277,10 +286,10 @@ class LeanStepper:
             ids, real = left_pad([suffix], pad_id, device)  # [1, w]
             own = ids.shape[1]
             suffix_mask[i, width - own:] = real[0]
-            members, start = slice(i * group_size, (i + 1) * group_size), shared + width - own
+            start = shared + width - own
 
-            def attend(index, k, v, members=members, start=start):
-                k_t, v = store(index, k, v, start, members)
+            def attend(index, k, v, member=slice(i, i + 1), start=start):
+                k_t, v = store(index, k, v, start, member)
                 if not shared:
                     return k_t, v
                 prefix_k, prefix_v = prefix[index]
@@ -297,27 +306,67 @@ class LeanStepper:
 
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids [N] -> next-token logits [N, V]; their K/V go into the next cache column."""
-        column = self.filled
+        """token_ids [N] -> next-token logits [N, V]; their K/V go into the rows' next column."""
+        column, written = self.generated, self.generated + 1
         self.positions = self.positions + 1
         cos, sin = self.cos[self.positions][:, None, None], self.sin[self.positions][:, None, None]
 
         def attend(index, k, v):  # k/v [N, 1, Hkv, d]
-            self.keys[index][..., column] = k[:, 0]
+            self.keys[index][:, :, column] = k[:, 0]
             self.values[index][:, :, column] = v[:, 0]
-            return self.keys[index], self.values[index]
+            return ((self.prompt_keys[index], self.keys[index][:, :, :written]),
+                    (self.prompt_values[index], self.values[index][:, :, :written]))
 
-        self.mask[:, column] = 0.0
+        prompt_mask = self.prompt_mask[self.slots // self.group]  # [N, S]
+        mask = torch.cat([prompt_mask, prompt_mask.new_zeros(len(prompt_mask), written)], dim=1)
         hidden = decoder_layers(self.decoder, F.embedding(token_ids[:, None], self.decoder.embed),
-                                cos, sin, self.mask[:, None], attend)
-        self.filled = column + 1
+                                cos, sin, mask, attend, attention=self._step_attention)
+        self.generated = written
         return decoder_logits(self.decoder, hidden[:, -1])
+
+    def _step_attention(self, q, keys, values, mask, scale):
+        """q [N, 1, H, d]; keys (the prompts' [n, Hkv, d, S], the rows' own [N, Hkv, t, d]),
+        values ([n, Hkv, S, d], [N, Hkv, t, d]); additive mask [N, S + t] -> [N, 1, H d].
+
+        Query heads sharing a KV head are rows of one matmul, and the G rows of a prompt are
+        rows of one matmul against its keys, so each key is read once per step. Softmax runs
+        in float32 over both parts at once, as in transformers."""
+        (prompt_k, own_k), (prompt_v, own_v) = keys, values
+        rows, _, h, d = q.shape
+        prompts, kv, _, span = prompt_k.shape
+        g, group = h // kv, self.group
+        grouped = q.reshape(rows, kv, g, d)
+        by_prompt = self._to_slots(grouped).view(prompts, group, kv, g, d).transpose(1, 2)
+        scores = torch.matmul(by_prompt.reshape(prompts, kv, group * g, d), prompt_k)
+        scores = self._from_slots(scores.view(prompts, kv, group, g, span).transpose(1, 2)
+                                  .reshape(prompts * group, kv, g, span))  # [N, Hkv, g, S]
+        scores = torch.cat([scores, torch.matmul(grouped, own_k.transpose(-1, -2))], dim=-1)
+        probs = torch.softmax(scores.float() * scale + mask[:, None, None], dim=-1).to(own_v.dtype)
+        prompt_probs = self._to_slots(probs[..., :span]).view(prompts, group, kv, g, span)
+        out = torch.matmul(prompt_probs.transpose(1, 2).reshape(prompts, kv, group * g, span),
+                           prompt_v)  # [n, Hkv, G g, d]
+        out = self._from_slots(out.view(prompts, kv, group, g, d).transpose(1, 2)
+                               .reshape(prompts * group, kv, g, d))
+        out = out + torch.matmul(probs[..., span:], own_v)  # [N, Hkv, g, d]
+        return out.reshape(rows, 1, h * d)
+
+    def _to_slots(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] per batch row -> [n G, ...] per slot (the slots of rows that left: zeros)."""
+        if self.all_slots:
+            return x
+        slotted = x.new_zeros((len(self.prompt_mask) * self.group, *x.shape[1:]))
+        return slotted.index_copy_(0, self.slots, x)
+
+    def _from_slots(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.all_slots else x.index_select(0, self.slots)
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only batch rows `keep` (sorted indices) in the cache."""
         self.keys = [k.index_select(0, keep) for k in self.keys]
         self.values = [v.index_select(0, keep) for v in self.values]
-        self.mask, self.positions = self.mask[keep], self.positions[keep]
+        self.slots, self.positions = self.slots[keep], self.positions[keep]
+        # `keep` is sorted and distinct, so with every slot still here row r is slot r again.
+        self.all_slots = len(self.slots) == len(self.prompt_mask) * self.group
 
 
 def make_stepper(model, lean: bool = True, pack: bool = True):
