@@ -46,9 +46,13 @@ def test_lean_logits_equal_the_model_forward_through_prefill_decode_and_row_drop
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, SIZES["vocab_size"], (len(expected),), generator=generator)
-    for step in range(5):
-        if step == 2:  # rows leave the batch, as finished completions do
-            keep = torch.tensor([0, 2, 3, 5])
+    # Rows leave the batch as finished completions do: at step 2 one row of prompts 0 and 2,
+    # at step 4 prompt 0's last row (the lean cache keeps a prompt's part while rows of it
+    # remain, and its product keeps G rows a prompt, the rows that left as zeros).
+    drops = {2: torch.tensor([0, 2, 3, 5]), 4: torch.tensor([1, 2, 3])}
+    for step in range(6):
+        if step in drops:
+            keep = drops[step]
             reference.select(keep)
             lean.select(keep)
             tokens = tokens[keep]

@@ -232,7 +232,8 @@ class LeanStepper:
         suffixes = [p[shared:] for p in prompts]
         width = round_up(max(len(x) for x in suffixes), WIDTH_BUCKET)
         span = shared + width
-        cos, sin = dec.rotary(dec.embed[:1], torch.arange(span + max_new_tokens, device=device)[None])
+        columns = torch.arange(span + max_new_tokens, device=device)[None]
+        cos, sin = dec.rotary(dec.embed[:1], columns)
         self.cos, self.sin = cos[0], sin[0]  # [C, d]
         # Zeros, not empty: masked columns get probability 0, and 0 x NaN would still be NaN.
         self.prompt_keys, self.prompt_values, self.keys, self.values = (
