@@ -272,7 +272,6 @@ class LeanStepper:
         self.own_mask = torch.full((max_new_tokens,), MASKED, device=device)
         self.group, self.generated = group_size, 0
         self.slots = torch.arange(len(prompts) * group_size, device=device)
-        self.all_slots = True  # no row has left: row r is slot r
         return last_logits.repeat_interleave(group_size, dim=0)
 
     def _prefill_suffixes(self, suffixes, pad_id, shared, width, prefix, store):
@@ -359,6 +358,11 @@ class LeanStepper:
         out = out + torch.matmul(probs[..., span:], own_v)  # [N, Hkv, g, d]
         return out.reshape(rows, 1, h * d)
 
+    @property
+    def all_slots(self) -> bool:
+        """No row has left, so row r is slot r (`select` keeps sorted, distinct rows)."""
+        return len(self.slots) == len(self.prompt_mask) * self.group
+
     def _to_slots(self, x: torch.Tensor) -> torch.Tensor:
         """[N, ...] per batch row -> [n G, ...] per slot (the slots of rows that left: zeros)."""
         if self.all_slots:
@@ -374,8 +378,6 @@ class LeanStepper:
         self.keys = [k.index_select(0, keep) for k in self.keys]
         self.values = [v.index_select(0, keep) for v in self.values]
         self.slots, self.positions = self.slots[keep], self.positions[keep]
-        # `keep` is sorted and distinct, so with every slot still here row r is slot r again.
-        self.all_slots = len(self.slots) == len(self.prompt_mask) * self.group
 
 
 def make_stepper(model, lean: bool = True, pack: bool = True):
