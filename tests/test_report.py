@@ -203,7 +203,8 @@ def test_report_shows_the_configuration_completions_and_what_to_try(tmp_path):
     config = json.loads((run_dir / "evidence.json").read_text())["config"]
     assert "2 x 2 x 4" in visible  # steps x prompts per step x G of the synthetic run
     assert f"KL coefficient (beta){config['beta']} ({config['kl_estimator']})" in visible
-    assert f"{config['learning_rate']}, {config['weight_decay']}" in visible
+    assert (f"{config['learning_rate']}, {config['lr_scheduler_type']} (warmup_ratio "
+            f"{config['warmup_ratio']}), {config['weight_decay']}") in visible
     assert "What to try" in visible and "reward: the re-test mean reward did not gain" in visible
     assert "pass_at_group:" not in visible  # 0.5 >= its gate 0: no advice for a passing gate
     # Real completions with their question and reference: the candidate's best on the first

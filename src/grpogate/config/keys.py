@@ -62,6 +62,9 @@ KEY_HELP = {
     "lora_dropout": "LoRA dropout during the update",
     "lora_target_modules": "layers that get LoRA (all-linear or a comma list)",
     "learning_rate": "AdamW learning rate of the LoRA weights",
+    "lr_scheduler_type": "learning-rate schedule over the steps: constant, constant_with_warmup, "
+                         "linear or cosine",
+    "warmup_ratio": "fraction of the steps whose rate ramps up linearly from 0",
     "weight_decay": "AdamW weight decay",
     "loss_type": "objective: grpo, bnpo, dapo, dr_grpo or cispo (training/objectives.py)",
     "importance_sampling_level": "token, or sequence (GSPO: length-normalized sequence ratio)",

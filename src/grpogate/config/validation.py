@@ -8,8 +8,8 @@ import math
 from typing import Any
 
 from grpogate.config.schema import (BUILT_IN_REWARDS, DTYPES, IMPORTANCE_SAMPLING_LEVELS,
-                                    KL_ESTIMATORS, LOSS_TYPES, MAX_REWARD_VALUE,
-                                    MAX_REWARD_WEIGHT, MULTI_OBJECTIVE_AGGREGATIONS,
+                                    KL_ESTIMATORS, LOSS_TYPES, LR_SCHEDULER_TYPES,
+                                    MAX_REWARD_VALUE, MAX_REWARD_WEIGHT, MULTI_OBJECTIVE_AGGREGATIONS,
                                     REPORTERS, ROLLOUT_CORRECTIONS, SCALE_REWARDS,
                                     USER_REWARD_PATH, RunConfig, flatten)
 from grpogate.errors import InputError
@@ -64,6 +64,12 @@ def validate(config: RunConfig) -> RunConfig:
         need(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
              f"{name} must be a finite number >= 0 (got {value!r})")
     need(config.learning_rate > 0 and config.epsilon > 0, "learning_rate and epsilon must be > 0")
+    need(config.lr_scheduler_type in LR_SCHEDULER_TYPES,
+         f"lr_scheduler_type must be one of {', '.join(LR_SCHEDULER_TYPES)} "
+         f"(got {config.lr_scheduler_type!r})")
+    need(isinstance(config.warmup_ratio, (int, float)) and 0 <= config.warmup_ratio < 1,
+         f"warmup_ratio must be in [0, 1) (got {config.warmup_ratio!r}): a run all warmup never "
+         "trains at its learning_rate")
     need(config.max_grad_norm > 0, f"max_grad_norm must be > 0 (got {config.max_grad_norm!r}): "
          "0 would scale every gradient to zero while optimizer steps are still counted")
     _validate_objective(config, need)

@@ -182,6 +182,10 @@ def update_section(config: dict, steps: list[dict], seconds: dict, micro_batch_s
             "k3_kl": _weighted_mean(steps, "mismatch_k3_kl", "mismatch_tokens")},
         "grad_norm": [g for s in steps for g in s["grad_norm"]],
         "learning_rate": config["learning_rate"], "optimizer": "AdamW",
+        # runs written before the schedule existed trained at a constant rate
+        "lr_scheduler_type": config.get("lr_scheduler_type", "constant"),
+        "warmup_ratio": config.get("warmup_ratio", 0.0),
+        "last_learning_rate": steps[-1].get("learning_rate", config["learning_rate"]) if steps else None,
         "max_grad_norm": config["max_grad_norm"],
         "trained_sequences": sum(s["sequences"] for s in steps), "trained_tokens": tokens,
         **forwarded,

@@ -113,7 +113,9 @@ def configuration_section(evidence: dict) -> str:
                  f"params {json.dumps(task.get('params'))}"),
         ("steps x prompts per step x G", f"{steps} x {config.get('prompts_per_step')} x "
                                          f"{config.get('group_size')}"),
-        ("learning rate (AdamW), weight decay", f"{config.get('learning_rate')}, {config.get('weight_decay')}"),
+        ("learning rate (AdamW), schedule, weight decay",
+         f"{config.get('learning_rate')}, {config.get('lr_scheduler_type', 'constant')} "
+         f"(warmup_ratio {config.get('warmup_ratio', 0.0)}), {config.get('weight_decay')}"),
         ("LoRA r / alpha / dropout / targets", f"{config.get('lora_r')} / {config.get('lora_alpha')} / "
                                                f"{config.get('lora_dropout')} / {config.get('lora_target_modules')}"),
         ("KL coefficient (beta)", f"{config.get('beta')} ({config.get('kl_estimator')})"),

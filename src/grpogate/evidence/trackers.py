@@ -33,6 +33,7 @@ STEP_SCALARS = (
     ("update/clip_fraction", "clip_fraction"),
     ("update/loss", "loss"),
     ("update/grad_norm", "grad_norm"),
+    ("update/learning_rate", "learning_rate"),
     ("time/rollout_seconds", "rollout_seconds"),
     ("time/verification_seconds", "verification_seconds"),
     ("time/update_seconds", "update_seconds"),

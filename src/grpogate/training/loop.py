@@ -49,6 +49,7 @@ from grpogate.sampling.rollout import (Completion, generate_completions, samplin
                                        score_completions, score_rewards, trajectory_records)
 from grpogate.training.advantages import RewardComponents, build_update_batch
 from grpogate.training.checkpoint import CheckpointWriter
+from grpogate.training.schedule import learning_rate_at
 from grpogate.training.update import (NonFiniteUpdate, UpdateFailed, UpdateSettings,
                                       update_with_retry)
 
@@ -304,6 +305,8 @@ def _update(loop: Loop, state: LoopState, step: int, rollout: Rollout):
         old_logprobs=sampler_logprobs if sampling_settings(config).truncates else None)
     settings = dataclasses.replace(UpdateSettings.from_config(config),
                                    micro_batch_size=state.micro_batch_size)
+    for group in loop.optimizer.param_groups:  # this step's rate (training/schedule.py)
+        group["lr"] = learning_rate_at(step, config)
 
     def on_retry(error: str, micro_batch_size: int) -> None:
         state.oom_retries += 1
@@ -349,6 +352,7 @@ def _finish_step(loop: Loop, state: LoopState, step: int, rollout: Rollout, upda
         "rollout_seconds": rollout.rollout_seconds,
         "verification_seconds": rollout.verification_seconds,
         "update_seconds": update_seconds, "micro_batch_size": state.micro_batch_size,
+        "learning_rate": learning_rate_at(step, config),
         **record.summary(), **update_throughput(record.tokens, record.forwarded_tokens,
                                                 record.forwarded_real_tokens, update_seconds)})
     state.seconds["update"] += update_seconds
