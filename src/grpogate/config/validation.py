@@ -64,12 +64,6 @@ def validate(config: RunConfig) -> RunConfig:
         need(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
              f"{name} must be a finite number >= 0 (got {value!r})")
     need(config.learning_rate > 0 and config.epsilon > 0, "learning_rate and epsilon must be > 0")
-    need(config.lr_scheduler_type in LR_SCHEDULER_TYPES,
-         f"lr_scheduler_type must be one of {', '.join(LR_SCHEDULER_TYPES)} "
-         f"(got {config.lr_scheduler_type!r})")
-    need(isinstance(config.warmup_ratio, (int, float)) and 0 <= config.warmup_ratio < 1,
-         f"warmup_ratio must be in [0, 1) (got {config.warmup_ratio!r}): a run all warmup never "
-         "trains at its learning_rate")
     need(config.max_grad_norm > 0, f"max_grad_norm must be > 0 (got {config.max_grad_norm!r}): "
          "0 would scale every gradient to zero while optimizer steps are still counted")
     _validate_objective(config, need)
@@ -97,7 +91,8 @@ def label_is_a_name(label: str) -> bool:
 
 
 def _validate_objective(config: RunConfig, need) -> None:
-    """The objective's knobs: known names, and bounds that keep the clip meaningful."""
+    """The objective's and the optimizer's knobs: known names, and bounds that keep the clip
+    and the learning-rate schedule meaningful."""
     for name, known in (("loss_type", LOSS_TYPES),
                         ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
                         ("kl_estimator", KL_ESTIMATORS), ("scale_rewards", SCALE_REWARDS),
@@ -109,6 +104,12 @@ def _validate_objective(config: RunConfig, need) -> None:
     need(config.delta == 0 or config.delta > 1 + config.resolved_epsilon_high(),
          f"delta must be 0 (off) or > 1 + epsilon_high = {1 + config.resolved_epsilon_high()} "
          f"(got {config.delta}): it caps the ratio above the clip range")
+    need(config.lr_scheduler_type in LR_SCHEDULER_TYPES,
+         f"lr_scheduler_type must be one of {', '.join(LR_SCHEDULER_TYPES)} "
+         f"(got {config.lr_scheduler_type!r})")
+    need(isinstance(config.warmup_ratio, (int, float)) and 0 <= config.warmup_ratio < 1,
+         f"warmup_ratio must be in [0, 1) (got {config.warmup_ratio!r}): a run all warmup never "
+         "trains at its learning_rate")
     need(config.num_iterations >= 1, f"num_iterations must be >= 1 (got {config.num_iterations})")
     need(0 < config.top_entropy_quantile <= 1,
          f"top_entropy_quantile must be in (0, 1] (got {config.top_entropy_quantile}); 1 trains "
