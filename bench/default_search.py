@@ -238,7 +238,8 @@ def search(plan: dict, workdir: Path, record: Path, only: list[str], extra: list
         raise SystemExit(f"error: --only names no candidate of the plan: {', '.join(missing)}")
     workdir.mkdir(parents=True, exist_ok=False)  # never reuse an earlier search's run dirs
     provenance = {"record_version": RECORD_VERSION, "commit": commit(), "machine": machine(),
-                  "search_dir": str(workdir), "scale": plan["scale"]}
+                  "search_dir": str(workdir), "scale": plan["scale"],
+                  "extra": list(extra)}  # every candidate's --set overrides, e.g. a seed
     rows = []
     for candidate in chosen:
         overrides = candidate_overrides(plan, candidate, extra)

@@ -125,6 +125,7 @@ def test_search_runs_each_candidate_on_the_development_set(tiny_model_dir, tmp_p
     assert good["status"] != "failed" and good["decision"] in ("accept", "tune", "reject")
     assert good["eval"]["seed"] == 1_000_000
     assert good["settings"] == {"learning_rate": 1e-4} and good["steps"] == 2
+    assert good["extra"] == extra  # the overrides every candidate ran with
     assert good["dev_vs_default_eval"]["shared_prompts"] == 0
     assert good["dev_vs_default_eval"]["default_eval_prompts"] == load_config().eval_prompts
     assert "--set" in good["command"] and "task.eval_seed=1000000" in good["command"]
