@@ -161,7 +161,7 @@ WHOLE_NUMBER_SETTINGS = ("num_generations", "per_device_train_batch_size",
 RECORDED_SETTINGS = WHOLE_NUMBER_SETTINGS + (
     "steps_per_generation", "scale_rewards", "multi_objective_aggregation", "loss_type", "beta",
     "epsilon", "epsilon_high", "importance_sampling_level", "learning_rate", "lr_scheduler_type",
-    "max_completion_length", "temperature", "top_p", "top_k", "max_steps", "seed",
+    "warmup_ratio", "max_completion_length", "temperature", "top_p", "top_k", "max_steps", "seed",
     "reward_weights", "mask_truncated_completions")
 
 
