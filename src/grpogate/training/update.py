@@ -67,7 +67,8 @@ class UpdateFailed(RuntimeError):
 
 @dataclass
 class UpdateSettings:
-    """The update's knobs (config/schema.py documents each); defaults are RunConfig's."""
+    """The update's knobs (config/schema.py documents each). A run builds them from its config
+    (`from_config`); the defaults here are for tests and the bench, not RunConfig's."""
 
     max_grad_norm: float = 1.0
     micro_batch_size: int = 16
