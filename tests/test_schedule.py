@@ -22,7 +22,8 @@ def test_constant_ignores_the_warmup_as_transformers_does():
 def test_warmup_is_ceil_of_the_ratio_and_starts_at_zero():
     # ceil(0.1 x 16) = ceil(1.6) = 2 warmup steps: factors 0/2, 1/2, then 1.
     assert warmup_steps(16, 0.1) == 2
-    assert [rate_factor(s, 16, "constant_with_warmup", 0.1) for s in range(4)] == [0.0, 0.5, 1.0, 1.0]
+    assert [rate_factor(s, 16, "constant_with_warmup", 0.1)
+            for s in range(4)] == [0.0, 0.5, 1.0, 1.0]
 
 
 def test_linear_decays_to_one_step_above_zero():
@@ -37,7 +38,8 @@ def test_cosine_is_a_half_cosine_after_the_warmup():
     # 4 steps, W = 1: progress (s - 1) / 3 = 0, 1/3, 2/3 -> (1 + cos(pi p)) / 2 = 1, 0.75, 0.25.
     assert [rate_factor(s, 4, "cosine", 0.25) for s in range(4)] == pytest.approx(
         [0.0, 1.0, 0.75, 0.25])
-    # No warmup, 64 steps: step 32 is halfway, cos(pi / 2) = 0 -> 0.5; step 63: (1 + cos(63 pi / 64)) / 2.
+    # No warmup, 64 steps: step 32 is halfway, cos(pi / 2) = 0 -> 0.5;
+    # step 63: (1 + cos(63 pi / 64)) / 2 = (1 - 0.998795) / 2 = 0.000602.
     assert rate_factor(32, 64, "cosine") == pytest.approx(0.5)
     assert rate_factor(63, 64, "cosine") == pytest.approx((1 + math.cos(63 * math.pi / 64)) / 2)
     assert rate_factor(63, 64, "cosine") == pytest.approx(0.000602, abs=1e-6)

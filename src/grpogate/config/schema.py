@@ -129,7 +129,7 @@ class RunConfig:
     lora_dropout: float = 0.0
     lora_target_modules: str = "all-linear"
     learning_rate: float = 1.5e-4
-    lr_scheduler_type: str = "constant"  # TRL's name: constant, constant_with_warmup, linear, cosine
+    lr_scheduler_type: str = "constant"  # TRL's: constant, constant_with_warmup, linear, cosine
     warmup_ratio: float = 0.0  # the first ceil(warmup_ratio x steps) steps ramp up from 0
     weight_decay: float = 0.0
     # The objective, named as TRL's GRPOConfig names it (training/objectives.py has the maths).
@@ -216,7 +216,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 ROLLOUT_CORRECTIONS = ("none", "token_tis", "sequence_mask")
-LR_SCHEDULER_TYPES = ("constant", "constant_with_warmup", "linear", "cosine")  # training/schedule.py
+LR_SCHEDULER_TYPES = ("constant", "constant_with_warmup", "linear", "cosine")  # training/schedule
 DTYPES = ("float32", "bfloat16", "auto")
 
 

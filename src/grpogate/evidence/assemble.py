@@ -185,7 +185,8 @@ def update_section(config: dict, steps: list[dict], seconds: dict, micro_batch_s
         # runs written before the schedule existed trained at a constant rate
         "lr_scheduler_type": config.get("lr_scheduler_type", "constant"),
         "warmup_ratio": config.get("warmup_ratio", 0.0),
-        "last_learning_rate": steps[-1].get("learning_rate", config["learning_rate"]) if steps else None,
+        "last_learning_rate": (steps[-1].get("learning_rate", config["learning_rate"])
+                               if steps else None),
         "max_grad_norm": config["max_grad_norm"],
         "trained_sequences": sum(s["sequences"] for s in steps), "trained_tokens": tokens,
         **forwarded,

@@ -1,8 +1,9 @@
-"""The learning rate at each training step: TRL's (transformers') schedule names, stepped per rollout.
+"""The learning rate of each training step: TRL's (transformers') schedules, stepped per rollout.
 
-    rate(step) = learning_rate x factor(step),  step = 0 .. steps - 1,  W = ceil(warmup_ratio x steps)
+    rate(step) = learning_rate x factor(step),  step = 0 .. steps - 1
+    W = ceil(warmup_ratio x steps)
 
-    warmup (step < W):  factor = step / W                 (the first step's rate is 0, as in transformers)
+    warmup (step < W):  factor = step / W    (the first step's rate is 0, as in transformers)
     constant:           factor = 1
     constant_with_warmup: 1 after the warmup
     linear:             factor = (steps - step) / (steps - W)
