@@ -2,6 +2,7 @@
 
     python bench/default_search.py [--plan bench/default_search.toml] [--only A,B]
                                    [--record bench/default_search_record.jsonl] [--set KEY=VALUE]
+                                   [--seeds 42,43]
 
 Protocol (issue 14): settings are chosen on a DEVELOPMENT eval set — a third reasoning-gym seed
 (`dev_seed`, far from the train seed 1 and the default eval seed 2; item i at seed s is item
@@ -16,7 +17,10 @@ so earlier searches stay): settings, command, commit, machine, wall time, decisi
 and its 95 % paired interval, pass@group change, the largest per-step KL to the baseline,
 entropy, truncation, valid groups and stage timings. A candidate that fails is recorded with its
 exit code and the tail of its output. `--set` applies to every candidate after the plan (tests
-use it to run the plan on a tiny model).
+use it to run the plan on a tiny model). `--seeds 42,43` runs each candidate once per run seed
+(records carry `run_seed`) and prints each candidate's mean gain over them: on this task one
+development run moved by about 0.06 between seeds or with a rounding-level code change, more than
+most candidates differ (docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -76,6 +80,31 @@ def candidate_overrides(plan: dict, candidate: dict, extra: list[str]) -> list[s
     sets += [f"{key}={toml_value(value)}" for key, value in plan["scale"].items()]
     sets += [f"{key}={toml_value(value)}" for key, value in candidate["set"].items()]
     return sets + list(extra)
+
+
+def candidate_runs(plan: dict, candidate: dict, extra: list[str],
+                   seeds: list[int]) -> list[tuple[str, list[str], int | None]]:
+    """(run directory name, `--set` list, run seed) of each run of one candidate: one run at
+    the config's seed, or one per seed in `seeds` (named NAME-seedN), the seed set last."""
+    overrides = candidate_overrides(plan, candidate, extra)
+    if not seeds:
+        return [(candidate["name"], overrides, None)]
+    return [(f"{candidate['name']}-seed{seed}", overrides + [f"seed={seed}"], seed)
+            for seed in seeds]
+
+
+def seed_means(rows: list[dict]) -> dict[str, dict]:
+    """Per candidate, its finished runs' reward gains and their mean over the run seeds: one
+    development run does not rank settings closer than its seed-to-seed spread."""
+    means = {}
+    for row in rows:
+        if row["status"] != "failed":
+            entry = means.setdefault(row["name"], {"seeds": [], "gains": []})
+            entry["seeds"].append(row.get("run_seed"))
+            entry["gains"].append(row["reward"]["gain"])
+    for entry in means.values():
+        entry["mean_gain"] = sum(entry["gains"]) / len(entry["gains"])
+    return means
 
 
 # --- one record line ----------------------------------------------------------------------------
@@ -231,7 +260,8 @@ def append_record(record: Path, row: dict) -> None:
         os.fsync(handle.fileno())
 
 
-def search(plan: dict, workdir: Path, record: Path, only: list[str], extra: list[str]) -> list[dict]:
+def search(plan: dict, workdir: Path, record: Path, only: list[str], extra: list[str],
+           seeds: list[int] = ()) -> list[dict]:
     chosen = [c for c in plan["candidates"] if not only or c["name"] in only]
     missing = sorted(set(only) - {c["name"] for c in plan["candidates"]})
     if missing:
@@ -242,23 +272,30 @@ def search(plan: dict, workdir: Path, record: Path, only: list[str], extra: list
                   "extra": list(extra)}  # every candidate's --set overrides, e.g. a seed
     rows = []
     for candidate in chosen:
-        overrides = candidate_overrides(plan, candidate, extra)
-        overlap = dev_overlap_with_default_eval(overrides)
-        out_dir = workdir / candidate["name"]
-        code, wall, tail, command = run_candidate(out_dir, overrides)
-        finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        evidence_file = out_dir / "evidence.json"
-        if code == 0 and evidence_file.is_file():
-            evidence = json.loads(evidence_file.read_text(encoding="utf-8"))
-            row = record_row(candidate["name"], candidate["set"], evidence, wall)
-        else:
-            row = {"name": candidate["name"], "settings": candidate["set"], "status": "failed",
-                   "exit_code": code, "wall_seconds": wall, "output_tail": tail}
-        row |= provenance | {"finished": finished, "command": command, "run_dir": str(out_dir),
-                             "dev_vs_default_eval": overlap}
-        append_record(record, row)
-        rows.append(row)
-        print(summary_line(row), flush=True)
+        for out_name, overrides, seed in candidate_runs(plan, candidate, extra, seeds):
+            overlap = dev_overlap_with_default_eval(overrides)
+            out_dir = workdir / out_name
+            code, wall, tail, command = run_candidate(out_dir, overrides)
+            finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            evidence_file = out_dir / "evidence.json"
+            if code == 0 and evidence_file.is_file():
+                evidence = json.loads(evidence_file.read_text(encoding="utf-8"))
+                row = record_row(candidate["name"], candidate["set"], evidence, wall)
+            else:
+                row = {"name": candidate["name"], "settings": candidate["set"],
+                       "status": "failed", "exit_code": code, "wall_seconds": wall,
+                       "output_tail": tail}
+            row |= provenance | {"finished": finished, "command": command,
+                                 "run_dir": str(out_dir), "dev_vs_default_eval": overlap,
+                                 "run_seed": seed}
+            append_record(record, row)
+            rows.append(row)
+            print(summary_line(row), flush=True)
+    if seeds:
+        for name, entry in seed_means(rows).items():
+            gains = ", ".join(f"{gain:+.3f}" for gain in entry["gains"])
+            print(f"{name}: mean reward gain {entry['mean_gain']:+.3f} over seeds "
+                  f"{', '.join(map(str, entry['seeds']))} ({gains})", flush=True)
     return rows
 
 
@@ -294,11 +331,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="where the run directories go (default runs/search-<UTC time>)")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                         help="an override applied to every candidate after the plan")
+    parser.add_argument("--seeds", default="", help="comma-separated run seeds: each candidate "
+                        "runs once per seed and the search prints its mean gain over them")
     args = parser.parse_args(argv)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--seeds: comma-separated integers (got {args.seeds!r})")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     workdir = args.workdir or REPO / "runs" / f"search-{stamp}"
     search(load_plan(args.plan), workdir, args.record,
-           [n for n in args.only.split(",") if n], args.extra)
+           [n for n in args.only.split(",") if n], args.extra, seeds)
 
 
 if __name__ == "__main__":

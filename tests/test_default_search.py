@@ -99,6 +99,23 @@ def test_largest_kl_is_not_measured_without_a_reference():
     assert default_search.largest_kl(evidence) == {"value": 0.03, "step": 0}
 
 
+def test_seeds_give_one_run_per_seed_and_a_mean_gain():
+    plan = {"dev_seed": 1000000, "scale": {"train_prompts": 16}, "candidates": []}
+    candidate = {"name": "lr", "set": {"learning_rate": 2e-4}}
+    base = ["task.eval_seed=1000000", "train_prompts=16", "learning_rate=0.0002", "x=1"]
+    assert default_search.candidate_runs(plan, candidate, ["x=1"], []) == [("lr", base, None)]
+    assert default_search.candidate_runs(plan, candidate, ["x=1"], [42, 43]) == [
+        ("lr-seed42", base + ["seed=42"], 42), ("lr-seed43", base + ["seed=43"], 43)]
+    rows = [{"name": "a", "status": "ok", "run_seed": 42, "reward": {"gain": 0.262}},
+            {"name": "a", "status": "ok", "run_seed": 43, "reward": {"gain": 0.326}},
+            {"name": "b", "status": "failed", "run_seed": 42},
+            {"name": "b", "status": "ok", "run_seed": 43, "reward": {"gain": 0.3}}]
+    means = default_search.seed_means(rows)
+    # a: (0.262 + 0.326) / 2 = 0.294; b: its one finished run, 0.3.
+    assert means["a"]["seeds"] == [42, 43] and means["a"]["mean_gain"] == pytest.approx(0.294)
+    assert means["b"] == {"seeds": [43], "gains": [0.3], "mean_gain": 0.3}
+
+
 def test_search_runs_each_candidate_on_the_development_set(tiny_model_dir, tmp_path, monkeypatch):
     """Two real `grpogate run` children on the tiny model: one good candidate and one whose
     setting the config refuses. Both are recorded; the good one was evaluated on the development
