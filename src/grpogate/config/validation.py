@@ -10,7 +10,8 @@ from typing import Any
 from grpogate.config.schema import (BUILT_IN_REWARDS, DTYPES, IMPORTANCE_SAMPLING_LEVELS,
                                     KL_ESTIMATORS, LOSS_TYPES, LR_SCHEDULER_TYPES,
                                     MAX_REWARD_VALUE, MAX_REWARD_WEIGHT,
-                                    MULTI_OBJECTIVE_AGGREGATIONS, REPORTERS, ROLLOUT_CORRECTIONS, SCALE_REWARDS,
+                                    MULTI_OBJECTIVE_AGGREGATIONS, REPORTERS, ROLLOUT_CORRECTIONS,
+                                    SCALE_REWARDS,
                                     USER_REWARD_PATH, RunConfig, flatten)
 from grpogate.errors import InputError
 from grpogate.gates import validate_gates

@@ -12,7 +12,7 @@
 transformers steps its scheduler once per optimizer step; here the factor is a function of the
 rollout step, and every optimizer step of one rollout (num_iterations, groups_per_update) takes
 that step's rate. So the rate needs no state of its own: a resumed run or a torchrun shard
-computes the same rate at the same step, and the evidence can recompute it from the config.
+computes the same rate at the same step, and each step record carries the rate it used.
 Pure arithmetic: no torch.
 """
 
