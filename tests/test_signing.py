@@ -49,6 +49,19 @@ def test_a_signed_run_verifies_and_any_change_or_other_key_rejects(tmp_path):
     assert changed.exit_code == 4 and "does not verify with" in changed.output
 
 
+def test_a_run_signed_and_verified_by_a_relative_path_verifies(tmp_path, monkeypatch):
+    """The signature leaves out run.sig and the lock file by path; a relative RUN_DIR named
+    them relatively, so signing hashed the lock and verifying then missed it."""
+    write_synthetic_run(tmp_path)
+    private, public = key_pair(tmp_path, "producer")
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    assert runner.invoke(app, ["sign", "run", "--key", str(private)]).exit_code == 0
+    verified = runner.invoke(app, ["decide", "run", "--verify-key", str(public)])
+    assert verified.exit_code == 0, verified.output
+    assert f"signature: run.sig verifies with {public}" in verified.output
+
+
 def test_signing_an_unfinished_run_is_refused(tmp_path):
     (tmp_path / "run").mkdir()
     private, _ = key_pair(tmp_path, "producer")

@@ -62,7 +62,9 @@ def _elliptic_key(path: str | Path, private: bool) -> None:
 
 def sign_run(run_dir: str | Path, private_key: str | Path) -> Path:
     """Write RUN_DIR/run.sig over every file of the finished run; returns its path."""
-    run_dir = Path(run_dir)
+    # Absolute, here and in verify_run: the library matches the paths it leaves out (run.sig,
+    # the lock) against the model path it was given, and a relative RUN_DIR matched neither.
+    run_dir = Path(run_dir).resolve()
     if not (run_dir / "manifest.json").is_file():
         raise InputError(f"{run_dir}: not a finished run (no manifest.json); only a finished "
                          "run can be signed")
@@ -82,7 +84,7 @@ def sign_run(run_dir: str | Path, private_key: str | Path) -> Path:
 
 def verify_run(run_dir: str | Path, public_key: str | Path) -> str | None:
     """None when RUN_DIR/run.sig verifies with `public_key`, else why not (a mismatch to name)."""
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).resolve()
     if not Path(public_key).is_file():
         raise InputError(f"{public_key}: no such public key file")
     if not (run_dir / SIGNATURE_FILE).is_file():
