@@ -21,7 +21,7 @@ from grpogate import api
 from grpogate.cli import eval_commands, gate_commands, options
 from grpogate.cli.results import print_audit_lines, print_run_result
 from grpogate.cli.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
-                                   gates_table, progress_bars, quiet_libraries)
+                                   gates_table, print_json, progress_bars, quiet_libraries)
 from grpogate.config import load_config
 from grpogate.errors import InputError, command, plain
 
@@ -162,7 +162,7 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
                                  gates_file=gates_file, out=out, label=label, **named)
         if dry_run:
             report = admission.dry_run(config)
-            console.print_json(json.dumps(report))
+            print_json(report)
             console.print("[green]dry run passed:[/] configuration, inputs and environment are usable")
             return
         with progress_bars() if world.is_main else contextlib.nullcontext() as progress:
@@ -249,7 +249,7 @@ def decide(
     except InputError as error:
         fail(error)
     if as_json:
-        console.print_json(json.dumps(audit))
+        print_json(audit)
     else:
         console.print(gates_table({"checks": audit["checks"]}))
         if audit["checks"]:  # an unreadable evidence file has no gates to read
@@ -322,7 +322,7 @@ def config_show(
     except InputError as error:
         fail(error)
     if as_json:
-        console.print_json(json.dumps(config.to_dict() | {"steps": config.steps}))
+        print_json(config.to_dict() | {"steps": config.steps})
         return
     # TOML, one key a line with its type and meaning as a comment: copy lines into --config.
     from grpogate.config import profile_note

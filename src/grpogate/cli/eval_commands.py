@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -11,7 +10,7 @@ import typer
 from rich.table import Table
 
 from grpogate.config import load_config
-from grpogate.cli.terminal import console, fail, progress_bars
+from grpogate.cli.terminal import console, fail, print_json, progress_bars
 from grpogate.errors import InputError, plain
 
 TASK_HELP = ("The task: reasoning-gym:NAME (e.g. reasoning-gym:leg_counting) or gsm8k:PATH "
@@ -109,7 +108,7 @@ def compare(
     except InputError as error:
         fail(error)
     if as_json:
-        console.print_json(json.dumps(result))
+        print_json(result)
         return
     console.print(comparison_table(result))
     console.print("exact tests: sign test on per-prompt mean reward, McNemar on per-prompt pass@group")

@@ -9,7 +9,9 @@ of grpogate keeps its own warning and progress-bar settings.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
 import os
 import warnings
 
@@ -83,6 +85,24 @@ def fail(error: Exception) -> None:
     # plain: a message quoting "[gates]", a path with brackets or a file's bytes is text.
     console.print(f"[bold red]error:[/] {plain(error)}", soft_wrap=True)
     raise typer.Exit(2)
+
+
+def _finite(value):
+    """The value with every non-finite float as None: JSON has no NaN or Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def print_json(value) -> None:
+    """`--json` output: strict JSON, ASCII only. A run directory's strings can hold terminal
+    controls (C1 codes such as U+009B, bidirectional overrides); escaped as \\uXXXX they reach
+    the terminal as text, and a non-finite number read from a forged file prints as null."""
+    typer.echo(json.dumps(_finite(value), indent=2, ensure_ascii=True, allow_nan=False))
 
 
 def human_bytes(count: float) -> str:
