@@ -1,4 +1,4 @@
-"""The policy: base model (bundled GGUF, .gguf file, HF directory or HF id), LoRA adapters, versions.
+"""The policy: base model (bundled GGUF, .gguf file, HF directory or id), LoRA adapters, versions.
 
 A policy version is sha256("<base identity>\n<adapter identity>"). The base identity hashes the
 weight files (or names the hub id and resolved revision); the adapter identity hashes the LoRA
@@ -102,8 +102,10 @@ def _check_gguf(path: Path) -> None:
 def _weights_sha256(directory: Path) -> str:
     files = sorted(p for p in directory.iterdir()
                    if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
-    if not any(p.suffix in (".safetensors", ".bin") for p in files):
-        raise InputError(f"{directory}: no model weights (*.safetensors) in this directory")
+    if not any(p.suffix == ".safetensors" for p in files):
+        # Pickled *.bin weights can run code when loaded: a local model loads from safetensors.
+        raise InputError(f"{directory}: no model weights (*.safetensors) in this directory; "
+                         "pickled *.bin weights are not loaded")
     digest = hashlib.sha256()
     for path in files:
         digest.update(f"{path.name}:{sha256_path(path)}\n".encode())
@@ -212,8 +214,11 @@ def check_target_modules(load_dir: str, config: RunConfig) -> None:
     learns whether the target modules match anything without loading a single weight."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    # trust_remote_code=False: a config's auto_map (code in the model directory or on the hub)
+    # is refused with a ValueError; left unset, transformers would ask on the terminal.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(load_dir))
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(load_dir, trust_remote_code=False), trust_remote_code=False)
     _attach_fresh_lora(model, config)
 
 
@@ -264,15 +269,22 @@ def current_version(policy: Policy) -> str:
 
 
 def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -> Policy:
-    """Load the base model and attach the trainable LoRA adapter (fresh, or from `adapter`)."""
+    """Load the base model and attach the trainable LoRA adapter (fresh, or from `adapter`).
+
+    No code the model names runs (trust_remote_code=False: a model whose config or tokenizer
+    needs its own code is refused with a ValueError, never asked about), and a local model
+    (directory or dequantized GGUF) loads its weights from safetensors only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     base = resolve_base_model(config.model, config.model_revision, default_cache_dir(config))
-    revision = {"revision": base.revision} if base.revision else {}
-    tokenizer = AutoTokenizer.from_pretrained(base.load_dir, **revision)
-    model = AutoModelForCausalLM.from_pretrained(base.load_dir, dtype=dtype, **revision)
+    options = {"revision": base.revision} if base.revision else {}
+    tokenizer = AutoTokenizer.from_pretrained(base.load_dir, trust_remote_code=False, **options)
+    if base.kind != "hf-id":
+        options["use_safetensors"] = True
+    model = AutoModelForCausalLM.from_pretrained(base.load_dir, dtype=dtype,
+                                                 trust_remote_code=False, **options)
     if base.kind == "hf-id":
         commit = getattr(model.config, "_commit_hash", None) or base.revision or "unresolved"
         base = BaseModelSource(
@@ -293,7 +305,8 @@ def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -
         adapter_dir = check_adapter_dir(adapter)
         adapter_sha = sha256_path(adapter_dir / ADAPTER_WEIGHTS)
         model = _load_baseline_adapter(model, adapter_dir, base.load_dir)
-        baseline_version = policy_version(base.sha256, tensors_sha256(adapter_state(model, REFERENCE)))
+        baseline_version = policy_version(base.sha256,
+                                          tensors_sha256(adapter_state(model, REFERENCE)))
     else:
         model = _attach_fresh_lora(model, config)
         baseline_version = policy_version(base.sha256, None)

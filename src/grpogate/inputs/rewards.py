@@ -40,13 +40,14 @@ from __future__ import annotations
 import hashlib
 import inspect
 import importlib
-import importlib.util
 import linecache
 import math
 import re
 import signal
+import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Collection
 
 from grpogate.config import BUILT_IN_REWARDS, MAX_REWARD_VALUE, USER_REWARD_PATH
@@ -123,18 +124,68 @@ def user_reward_names(specs: list) -> list[str]:
             and isinstance(spec.get("name"), str) and USER_REWARD_PATH.fullmatch(spec["name"])]
 
 
-def user_reward_version(path: str) -> str:
-    """`module:function@sha256:<16 hex>` of the module's source, read without running the module
-    (its parent packages are imported to find it): the audit compares it with the recorded
-    version before it imports anything. ValueError when the module or its source is not found."""
+def _imported_or_found(name: str, path: list[str] | None):
+    """The spec of `name`: an imported module's own, else the first one the meta path finders
+    return for the parent's search locations `path` (None: sys.path), as the import system
+    looks it up once the parent is imported. Finding runs no module code."""
+    if name in sys.modules:
+        return getattr(sys.modules[name], "__spec__", None)
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        spec = find_spec(name, path) if find_spec is not None else None
+        if spec is not None:
+            return spec
+    return None
+
+
+def _within(paths: list[str], directories: list[str]) -> bool:
+    """Whether every path, symlinks resolved, lies inside one of the (resolved) directories."""
+    roots = [Path(directory).resolve() for directory in directories]
+    return all(any(Path(path).resolve().is_relative_to(root) for root in roots)
+               for path in paths)
+
+
+def locate_module(module_name: str):
+    """The spec the import of `module_name` loads, found without importing (running) it or any
+    parent package: each dotted level is looked up in its parent's search locations (an
+    imported parent's `__path__`, else the directories its spec names), which is what
+    importlib.util.find_spec does after importing the parent. A level not yet imported must
+    lie, file and directories with symlinks resolved, inside its parent's directories, and a
+    package's `__init__.py` inside its own directory: so the module's file is inside every
+    directory whose `__init__.py` the import runs (the run-directory check of
+    --trust-reward-code rests on this). ValueError when a level is not found, is not a
+    package, or leads out of its parent."""
+    spec, locations = None, None
+    parts = module_name.split(".")
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        imported = name in sys.modules
+        spec = _imported_or_found(name, locations)
+        if spec is None:
+            raise ValueError(f"cannot import module {module_name!r} ({name!r} not found); put "
+                             "it on PYTHONPATH")
+        origin = [spec.origin] if spec.has_location and spec.origin else []
+        own = list(spec.submodule_search_locations or [])
+        if not imported and ((locations is not None and not _within(origin + own, locations))
+                             or (origin and own and not _within(origin, own))):
+            raise ValueError(f"module {name!r} leads out of its package directory (a symlink?); "
+                             "it is not imported")
+        locations = list(getattr(sys.modules[name], "__path__", None) or []) if imported else own
+        if depth < len(parts) and not locations:
+            raise ValueError(f"cannot import module {module_name!r} ({name!r} is not a package)")
+    return spec
+
+
+def _located_source(path: str) -> tuple[str, str]:
+    """(version, file) of a `module:function` path's module, located by `locate_module`."""
     module_name = path.partition(":")[0]
     try:
-        spec = importlib.util.find_spec(module_name)
-    except Exception as error:  # a parent package failing to import is the user's input error
+        spec = locate_module(module_name)
+    except ValueError:
+        raise
+    except Exception as error:  # a finder failing on the user's import path is their input error
         raise ValueError(f"cannot import module {module_name!r} ({type(error).__name__}: "
                          f"{error}); put it on PYTHONPATH") from None
-    if spec is None:
-        raise ValueError(f"cannot import module {module_name!r} (not found); put it on PYTHONPATH")
     if not spec.has_location or not spec.origin or not spec.origin.endswith(".py"):
         raise ValueError(f"module {module_name!r} has no readable source to version it by")
     # linecache is how inspect.getsource reads a module: the same text, so the same version.
@@ -142,30 +193,43 @@ def user_reward_version(path: str) -> str:
     source = "".join(linecache.getlines(spec.origin)).encode("utf-8")
     if not source:
         raise ValueError(f"module {module_name!r} has no readable source to version it by")
-    return f"{path}@sha256:{hashlib.sha256(source).hexdigest()[:16]}"
+    return f"{path}@sha256:{hashlib.sha256(source).hexdigest()[:16]}", spec.origin
+
+
+def user_reward_version(path: str) -> str:
+    """`module:function@sha256:<16 hex>` of the module's source, read without running the module
+    or its parent packages (`locate_module`): the audit compares it with the recorded version
+    before it imports anything. ValueError when the module or its source is not found."""
+    return _located_source(path)[0]
 
 
 def user_reward_origin(path: str) -> str:
-    """The file the module of `path` would be imported from ("" when not found)."""
+    """The file the module of `path` would be imported from ("" when not found), found without
+    importing anything (`locate_module`)."""
     try:
-        spec = importlib.util.find_spec(path.partition(":")[0])
+        spec = locate_module(path.partition(":")[0])
     except Exception:  # reported by user_reward_version
         return ""
-    return (spec.origin or "") if spec is not None else ""
+    return (spec.origin or "") if spec.has_location else ""
 
 
 def load_user_reward(path: str) -> tuple[Callable, str]:
     """(function, version) of a `module:function` path; the version pins the module's source by
     sha256, so editing the function changes every trajectory's identity. ValueError when the
-    module or function cannot be found. Imports (runs) the module: call it only for a path the
-    user named."""
-    version = user_reward_version(path)
+    module or function cannot be found, or the import loads another file than the one versioned
+    (a parent package that changes its `__path__`). Imports (runs) the module: call it only for
+    a path the user named."""
+    version, versioned = _located_source(path)
     module_name, _, function_name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # any import-time failure is the user's input error
         raise ValueError(f"cannot import module {module_name!r} ({type(error).__name__}: "
                          f"{error}); put it on PYTHONPATH") from None
+    loaded = getattr(getattr(module, "__spec__", None), "origin", None)
+    if not loaded or Path(loaded).resolve() != Path(versioned).resolve():
+        raise ValueError(f"module {module_name!r} was imported from {loaded}, not from the "
+                         f"versioned {versioned}")
     function = getattr(module, function_name, None)
     if not callable(function):
         raise ValueError(f"module {module_name!r} has no function {function_name!r}")

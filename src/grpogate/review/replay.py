@@ -18,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
 
-from grpogate.config import resume_config
+from grpogate.config import BUNDLED_MODEL, resume_config
 from grpogate.errors import InputError
 from grpogate.evidence.assemble import library_versions
 from grpogate.evidence.audit import reload_problem_sets
@@ -111,26 +112,77 @@ def _environment_differences(recorded: dict, config) -> dict:
             for key in ENVIRONMENT_KEYS if recorded.get(key) != now.get(key)}
 
 
+def _inside(path: str, run_dir: Path) -> bool:
+    """Whether `path` exists (a link counts) and lies in the run directory, as written or with
+    symlinks resolved."""
+    if not os.path.lexists(path):
+        return False
+    return (Path(os.path.abspath(path)).is_relative_to(os.path.abspath(run_dir))
+            or Path(path).resolve().is_relative_to(run_dir.resolve()))
+
+
+def _recorded_sources(run_dir: Path, evidence: dict) -> tuple[str, str, str, str]:
+    """(model, its evidence field, revision, baseline adapter path or "") as the evidence
+    records them. InputError when one is not a string or names a path inside the run
+    directory: a replay loads the user's own model and baseline, never ones the run directory
+    brings along."""
+    where = f"{run_dir}/evidence.json"
+    inputs = evidence["inputs"] if isinstance(evidence["inputs"], dict) else {}
+    model = inputs.get("model") if isinstance(inputs.get("model"), dict) else {}
+    field = "inputs.model.spec" if model.get("spec") else "inputs.model.location"
+    spec, revision = model.get("spec") or model.get("location"), model.get("revision") or ""
+    baseline = inputs.get("baseline_adapter") or {}
+    adapter = (baseline.get("path") or "") if isinstance(baseline, dict) else None
+    for name, value in ((field, spec), ("inputs.model.revision", revision),
+                        ("inputs.baseline_adapter.path", adapter)):
+        if not isinstance(value, str) or (name == field and not value):
+            raise InputError(f"{where}: field {name}: expected a name or path, got {value!r}")
+        a_path = name != "inputs.model.revision" and value not in ("", BUNDLED_MODEL)
+        if a_path and _inside(value, run_dir):
+            raise InputError(f"{where}: field {name}: {value} is inside the run directory; "
+                             "--replay loads only a model and baseline adapter of your own")
+    return spec, field, revision, adapter
+
+
 def _delivered_policy(run_dir: Path, evidence: dict, config):
-    """The recorded base model and baseline, with the delivered adapter as the trained one."""
-    model = evidence["inputs"]["model"]
-    baseline = evidence["inputs"].get("baseline_adapter") or {}
-    adapter = str(baseline.get("path") or "")
+    """The recorded base model and baseline, with the delivered adapter as the trained one.
+    No code the model names runs (load_policy), the model cache is the user's own (not the
+    recorded cache_dir), and any failure to load is an InputError naming the evidence field."""
+    spec, field, revision, adapter = _recorded_sources(run_dir, evidence)
     if adapter and not Path(adapter).is_dir():
         raise InputError(f"{adapter}: the run's baseline adapter is not on this machine; "
                          "--replay needs it")
-    policy = load_policy(dataclasses.replace(config, model=model.get("spec") or model["location"],
-                                             model_revision=model.get("revision") or "",
-                                             adapter="", baseline_manifest=""),
-                         adapter=adapter, seed=config.seed)
+    recorded = dataclasses.replace(config, model=spec, model_revision=revision, adapter="",
+                                   baseline_manifest="", cache_dir="")
+    try:
+        policy = load_policy(recorded, adapter=adapter, seed=config.seed)
+    except Exception as error:  # a recorded model that does not load is this input's fault
+        detail = (str(error) if isinstance(error, InputError) else
+                  f"does not load ({type(error).__name__}: {_first_line(error)})")
+        named = f" with inputs.baseline_adapter.path {adapter}" if adapter else ""
+        raise InputError(f"{run_dir}/evidence.json: --replay of field {field} {spec}{named}: "
+                         f"{detail}") from None
+    artifact = run_dir / str(evidence["artifact"]["path"])
+    try:
+        return _with_delivered_adapter(policy, run_dir, artifact, evidence)
+    except InputError:
+        raise
+    except Exception as error:  # the delivered adapter is the run directory's data
+        raise InputError(f"{artifact}/{ADAPTER_WEIGHTS}: does not load onto the recorded model "
+                         f"({type(error).__name__}: {_first_line(error)})") from None
+
+
+def _with_delivered_adapter(policy, run_dir: Path, artifact: Path, evidence: dict):
+    """The policy with the delivered adapter `artifact` as its trained one, of the recorded
+    version."""
     if evidence.get("foreign"):  # a gated foreign adapter keeps its own LoRA shape
         from grpogate.inputs.candidate import attach_candidate
 
-        attach_candidate(policy, run_dir / str(evidence["artifact"]["path"]))
+        attach_candidate(policy, artifact)
         return policy
     from peft import set_peft_model_state_dict
 
-    delivered = load_adapter_state(run_dir / str(evidence["artifact"]["path"]))
+    delivered = load_adapter_state(artifact)
     outcome = set_peft_model_state_dict(policy.model, delivered, adapter_name=TRAINABLE)
     if getattr(outcome, "unexpected_keys", None):
         raise InputError(f"{run_dir}/adapter/{ADAPTER_WEIGHTS}: tensors the run's LoRA does not "
@@ -140,6 +192,10 @@ def _delivered_policy(run_dir: Path, evidence: dict, config):
         raise InputError(f"{run_dir}: the delivered adapter loads as policy {version}, not the "
                          f"recorded {evidence['artifact']['new_policy_version']}")
     return policy
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def apply_replay(audit: dict, replayed: dict) -> dict:
