@@ -2,6 +2,11 @@
 data (a malformed file is a mismatch, not a crash; only regular files inside the run directory
 are read), every hash the manifest pins, and the policy versions recomputed from the adapters'
 own tensors (docs/design.md §7). Pure Python, no torch.
+
+What it reads is bounded before it is read (files/bounds.py): the files it parses total at most
+MAX_FILE_BYTES, each file it hashes is hashed once within its own limit, all of them within
+MAX_HASHED_BYTES, and a manifest lists at most MAX_MANIFEST_FILES names in normal form. A file
+past a limit is FileTooLarge (exit 2), never a mismatch.
 """
 
 from __future__ import annotations
@@ -14,11 +19,19 @@ from typing import Any
 
 from grpogate.errors import InputError
 from grpogate.evidence.manifest import PROBLEMS_FILE, RUN_FILES, build_manifest, trace_ids_sha256
-from grpogate.files import (ADAPTER_WEIGHTS, confined_file, parse_json, policy_version,
-                            read_confined, safetensors_sha256, sha256_confined)
+from grpogate.files import (ADAPTER_WEIGHTS, MAX_FILE_BYTES, FileTooLarge, confined_file,
+                            jsonl_lines, parse_json, policy_version, read_confined, refuse_larger,
+                            safetensors_sha256, sha256_confined)
+from grpogate.files.tensors import MAX_SAFETENSORS_BYTES, safetensors_size
 from grpogate.inputs.tasks import stored_sets
 
 FLOAT_TOLERANCE = 1e-9
+# A run's manifest (build_manifest) lists RUN_FILES (6) and its adapter folder's files (3 for
+# grpogate's adapter; a TRL checkpoint's adds its tokenizer and training files): under 20.
+MAX_MANIFEST_FILES = 1000
+# All the distinct files an audit hashes (build_manifest hashes them again): the adapter weights
+# at their cap, and twice MAX_FILE_BYTES for the rest (a real run's are a few MB in all).
+MAX_HASHED_BYTES = MAX_SAFETENSORS_BYTES + 2 * MAX_FILE_BYTES
 
 
 class Audit:
@@ -31,17 +44,34 @@ class Audit:
     def __init__(self) -> None:
         self.mismatches: list[dict[str, Any]] = []
         self.parsed: dict[Path, bytes] = {}
+        self.hashed: dict[Path, str] = {}  # by resolved path: a file named twice is hashed once
+
+    @property
+    def mismatch_count(self) -> int:
+        return len(self.mismatches)
 
     def read(self, path: Path) -> bytes:
-        """The bytes of a run file (read_confined), kept for `sha256`."""
-        self.parsed[path] = data = read_confined(path.parent, path.name)
+        """The bytes of a run file (read_confined), kept for `sha256`. The audit holds every
+        file it parses: together they may total MAX_FILE_BYTES (FileTooLarge before a parse)."""
+        data = read_confined(path.parent, path.name)
+        refuse_larger(path, len(data) + sum(len(kept) for other, kept in self.parsed.items()
+                                            if other != path),
+                      MAX_FILE_BYTES, "the files an audit parses", "bytes with those read before")
+        self.parsed[path] = data
         return data
 
     def sha256(self, run_dir: Path, name: str) -> str:
         """The hash of the bytes parsed from run_dir/name, or of the file (read_confined's
-        rules) when the audit does not parse it; InputError as confined_file raises it."""
+        rules, within MAX_FILE_BYTES, or MAX_SAFETENSORS_BYTES for a safetensors file) when the
+        audit does not parse it, once per file; InputError as confined_file raises it."""
         kept = self.parsed.get(run_dir / name)
-        return hashlib.sha256(kept).hexdigest() if kept is not None else sha256_confined(run_dir, name)
+        if kept is not None:
+            return hashlib.sha256(kept).hexdigest()
+        path = confined_file(run_dir, name)
+        if path not in self.hashed:
+            limit = MAX_SAFETENSORS_BYTES if name.endswith(".safetensors") else MAX_FILE_BYTES
+            self.hashed[path] = sha256_confined(run_dir, name, limit)
+        return self.hashed[path]
 
     def mismatch(self, field: str, recorded: Any = None, recomputed: Any = None) -> None:
         self.mismatches.append({"field": field, "recorded": recorded, "recomputed": recomputed})
@@ -84,8 +114,9 @@ def same_value(recorded: Any, recomputed: Any) -> bool:
 
 def read_object(path: Path, audit: Audit) -> dict | None:
     """A JSON object file; unreadable content is a mismatch (a tampered file), not a crash.
-    InputError when it is not a regular file inside the run directory, and for JSON no reader
-    may take one way (duplicate keys) or nested past any grpogate file (parse_json)."""
+    InputError when it is not a regular file inside the run directory or too large (bounds.py),
+    and for JSON no reader may take one way (duplicate keys), nested past any grpogate file or
+    holding an integer Python will not convert (parse_json)."""
     try:
         document = parse_json(audit.read(path).decode("utf-8"), str(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -98,9 +129,12 @@ def read_object(path: Path, audit: Audit) -> dict | None:
 
 
 def numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
-    """(1-based line number, record) for every non-blank line; bad lines become mismatches."""
+    """(1-based line number, record) for every non-blank line; bad lines become mismatches.
+    FileTooLarge for a file past its bytes or lines (bounds.py), before a line is parsed."""
     try:
-        text = audit.read(path).decode("utf-8")
+        lines = jsonl_lines(audit.read(path), str(path))
+    except FileTooLarge:
+        raise
     except InputError as error:
         audit.mismatch(f"{path.name} ({str(error).removeprefix(path.name + ': ')})")
         return []
@@ -108,7 +142,7 @@ def numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
         audit.mismatch(f"{path.name} (not UTF-8 text)")
         return []
     records = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -144,20 +178,21 @@ def stored_problem_sets(run_dir: Path, audit: Audit) -> dict[str, list] | None:
 
 def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
                  trajectories: list[dict]) -> None:
-    """Every file the manifest pins, the trace ids, the adapter, and the manifest's summary."""
+    """Every file the manifest pins, the trace ids, the adapter, and the manifest's summary.
+    InputError for a manifest listing over MAX_MANIFEST_FILES names, FileTooLarge as
+    `_bound_hashing` raises it, both before anything is hashed."""
     files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
-    for name, recorded in files.items():
-        try:
-            digest = audit.sha256(run_dir, name)
-        except InputError as error:  # flagged, and never read
-            audit.mismatch(f"files.{name} ({str(error).removeprefix(f'{name}: ')})", recorded)
-            continue
-        if digest != recorded:
-            audit.mismatch(f"files.{name} sha256", recorded, digest)
+    if len(files) > MAX_MANIFEST_FILES:
+        raise InputError(f"{run_dir}/manifest.json: field files: {len(files)} entries, more than "
+                         f"the {MAX_MANIFEST_FILES} a run's manifest may list; not a grpogate "
+                         "run directory")
     adapter_path = str((evidence.get("artifact") or {}).get("path") or "")
     on_disk = [name for name in RUN_FILES if confined(run_dir, name)]
     if adapter_path and (run_dir / adapter_path).is_dir():
         on_disk += [f"{adapter_path}/{p.name}" for p in sorted((run_dir / adapter_path).glob("*"))]
+    weights = f"{adapter_path}/{ADAPTER_WEIGHTS}" if adapter_path else None
+    _bound_hashing(run_dir, [weights, *on_disk, *files], weights)
+    _check_listed(audit, run_dir, files)
     for name in on_disk:
         if name not in files:
             audit.mismatch(f"files.{name} (not recorded in the manifest)")
@@ -184,6 +219,59 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
     audit.compare("manifest", manifest, rebuilt)
 
 
+def normal_name(name: Any) -> bool:
+    """Whether `name` is a relative path in normal form, as a run's manifest writes its names:
+    not absolute, no ".", ".." or empty component, no NUL (one file has one name)."""
+    return (isinstance(name, str) and "\0" not in name and not name.startswith("/")
+            and all(part not in ("", ".", "..") for part in name.split("/")))
+
+
+def _bound_hashing(run_dir: Path, names: list, weights: str | None) -> None:
+    """FileTooLarge before anything is hashed: each distinct regular file inside the run that a
+    name in normal form reaches, counted once, within its limit (the adapter weights: exactly
+    the size their header declares, tensors.safetensors_size, or MAX_SAFETENSORS_BYTES when the
+    header is malformed, named by anchored_versions; any other file MAX_FILE_BYTES), and all
+    of them within MAX_HASHED_BYTES."""
+    sizes: dict[Path, int] = {}
+    for name in names:
+        path = confined(run_dir, name) if normal_name(name) else None
+        if path is None or path in sizes:
+            continue
+        size = None
+        if name == weights:
+            try:
+                size = safetensors_size(path)
+            except FileTooLarge:
+                raise
+            except (InputError, OSError):
+                pass  # malformed: bounded by its size below, named by anchored_versions
+        if size is None:
+            limit = MAX_SAFETENSORS_BYTES if name == weights else MAX_FILE_BYTES
+            size = refuse_larger(f"{run_dir}/{name}", path.stat().st_size, limit, "a run file")
+        sizes[path] = size
+    refuse_larger(run_dir, sum(sizes.values()), MAX_HASHED_BYTES,
+                  "the files an audit hashes in all")
+
+
+def _check_listed(audit: Audit, run_dir: Path, files: dict) -> None:
+    """Each listed file's hash; a name not in normal form, or that is not a regular file inside
+    the run, is flagged and never read."""
+    for name, recorded in files.items():
+        if not normal_name(name):
+            audit.mismatch(f"files.{name} (not a relative path in normal form; not read)",
+                           recorded)
+            continue
+        try:
+            digest = audit.sha256(run_dir, name)
+        except FileTooLarge:
+            raise
+        except InputError as error:  # flagged, and never read
+            audit.mismatch(f"files.{name} ({str(error).removeprefix(f'{name}: ')})", recorded)
+            continue
+        if digest != recorded:
+            audit.mismatch(f"files.{name} sha256", recorded, digest)
+
+
 def unknown_fields(audit: Audit, name: str, recorded: dict, rebuilt: dict) -> None:
     """A top-level field the run's own writer never writes is named: a reader of the file
     must not meet a claim the audit did not check."""
@@ -198,7 +286,16 @@ def anchored_versions(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, 
     A forger who swaps adapter/ for another run's and recomputes every file hash still has to
     name the candidate's version; here it is recomputed from the adapter's own tensors (the
     rule of files.tensors_digest, read without torch) and the base model's recorded identity,
-    and the evidence, the manifest and every candidate re-test record must carry it."""
+    and the evidence, the manifest and every candidate re-test record must carry it.
+
+    The baseline adapter is an input of the run, not part of it: its recorded path is where
+    it was on the training machine, usually outside the run directory. Its weights are read
+    when a regular file is there (§7: both versions recomputed from the tensors), under the
+    candidate's bounds, so a path the directory names costs at most one streamed read of a
+    file on the auditor's own machine: opened without blocking and checked to be a regular
+    file on the descriptor, exactly the size its header declares (FileTooLarge otherwise, or
+    past MAX_SAFETENSORS_DATA: exit 2), hashed a block at a time. Unreadable is a mismatch;
+    absent, the recorded version is taken."""
     inputs, artifact = evidence["inputs"], evidence.get("artifact") or {}
     base = (inputs.get("model") or {}).get("sha256")
     versions = {"baseline": inputs.get("baseline_policy_version"),
@@ -229,6 +326,8 @@ def _version_of(audit: Audit, base: Any, weights: Path, field: str, recorded: An
     mismatch named `field` and the recorded version stands (so it is not reported twice)."""
     try:
         return policy_version(base, safetensors_sha256(weights))
+    except FileTooLarge:
+        raise
     except InputError as error:
         audit.mismatch(f"{field}: {error})")
         return recorded

@@ -22,7 +22,7 @@ from grpogate.evidence.decisions import gain_rule
 from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.evidence.report_html import _STYLE, _e, _fmt, _h2, _img, _table
 from grpogate.evidence.report_figures import paired_prompts, render_all, stage_seconds
-from grpogate.files import atomic_write_bytes, parse_json, read_confined
+from grpogate.files import FileTooLarge, atomic_write_bytes, jsonl_lines, parse_json, read_confined
 
 REPORT_HTML = "report.html"
 FIGURE_NAMES = ("stages", "steps", "lengths", "per_prompt", "intervals")
@@ -403,18 +403,21 @@ def render_html(evidence: dict, manifest: dict, pngs: dict[str, bytes], run_dir:
 
 def _read_jsonl(path: Path) -> list[dict]:
     """Records of an optional JSONL file; a missing or unreadable one is empty (the report still
-    renders from the evidence; `grpogate decide` is what judges the files)."""
+    renders from the evidence; `grpogate decide` judges the files), one too large is refused."""
     try:
-        lines = read_confined(path.parent, path.name).decode("utf-8").splitlines()
+        lines = jsonl_lines(read_confined(path.parent, path.name), str(path))
         return [record for record in (parse_json(line, f"{path}:{number}")
                                       for number, line in enumerate(lines, 1) if line.strip())
                 if isinstance(record, dict)]
+    except FileTooLarge:
+        raise
     except (InputError, OSError, UnicodeDecodeError, json.JSONDecodeError):
         return []
 
 
 def write_report(run_dir: str | Path) -> Path:
-    """Render report_*.png and report.html into `run_dir` (atomically); returns the HTML path."""
+    """Render report_*.png and report.html into `run_dir` (atomically); returns the HTML path.
+    Every file is read and everything rendered before the first is written."""
     shown, run_dir = str(run_dir), Path(run_dir)
     try:
         # Only a regular file inside the run directory is opened (a FIFO would hang the report).
@@ -432,15 +435,15 @@ def write_report(run_dir: str | Path) -> Path:
     try:  # the manifest only adds file hashes; a run without one still gets its report
         manifest = parse_json(read_confined(run_dir, "manifest.json").decode("utf-8"),
                               f"{run_dir}/manifest.json")
+    except FileTooLarge:
+        raise
     except (InputError, json.JSONDecodeError, UnicodeDecodeError):
         manifest = {}
     manifest = manifest if isinstance(manifest, dict) else {}
     problems = {str(p.get("prompt_id")): p for p in _read_jsonl(run_dir / PROBLEMS_FILE)}
-    pngs = render_all(evidence)
+    eval_records, pngs = _read_jsonl(run_dir / "eval_completions.jsonl"), render_all(evidence)
+    html_text = render_html(evidence, manifest, pngs, shown, eval_records, problems)
     for name, data in pngs.items():
         atomic_write_bytes(run_dir / f"report_{name}.png", data)
-    path = run_dir / REPORT_HTML
-    html_text = render_html(evidence, manifest, pngs, shown,
-                            _read_jsonl(run_dir / "eval_completions.jsonl"), problems)
-    atomic_write_bytes(path, html_text.encode("utf-8"))
-    return path
+    atomic_write_bytes(run_dir / REPORT_HTML, html_text.encode("utf-8"))
+    return run_dir / REPORT_HTML

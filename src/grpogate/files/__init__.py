@@ -1,5 +1,6 @@
 """Files: atomic writes, content hashes, the append-only trajectories log, run directories.
-(tensors.py: the torch-free safetensors read and the policy-version rule.)
+(tensors.py: the torch-free safetensors read and the policy-version rule; bounds.py: how large
+a file from a stranger may be.)
 
 Every JSON file is written to a temporary name, fsynced and renamed, so a reader never sees a
 half-written file; directories (the adapter, checkpoints) are staged and renamed the same way.
@@ -19,10 +20,13 @@ import re
 import secrets
 import shutil
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
 from grpogate.errors import InputError
+from grpogate.files.bounds import (  # noqa: F401  (the files API: bounds.py)
+    MAX_FILE_BYTES, MAX_JSONL_LINES, FileTooLarge, descriptor_size, refuse_larger)
 from grpogate.files.tensors import (  # noqa: F401  (the files API: tensors.py)
     policy_version, read_safetensors, safetensors_sha256, tensors_digest)
 
@@ -226,13 +230,20 @@ def _lone_surrogate_at(value, path: str = "") -> str | None:
 
 def parse_json(text: str, where: str):
     """JSON text from an untrusted file -> its value, bounded: nesting deeper than
-    JSON_DEPTH_LIMIT, duplicate keys and a lone surrogate escape (\\ud800: valid JSON, not
-    Unicode text; it breaks every later encode) raise InputError naming `where` (file, or
-    file:line); malformed text raises json.JSONDecodeError for the caller to word."""
+    JSON_DEPTH_LIMIT, duplicate keys, an integer too long for Python to convert and a lone
+    surrogate escape (\\ud800: valid JSON, not Unicode text; it breaks every later encode)
+    raise InputError naming `where` (file, or file:line); malformed text raises
+    json.JSONDecodeError for the caller to word."""
     if _json_depth_over(text, JSON_DEPTH_LIMIT):
         raise InputError(f"{where}: JSON nested deeper than {JSON_DEPTH_LIMIT} levels; not a "
                          "file grpogate reads")
-    value = json.loads(text, object_pairs_hook=_unique_keys(where))
+    try:
+        value = json.loads(text, object_pairs_hook=_unique_keys(where))
+    except (InputError, json.JSONDecodeError):
+        raise
+    except ValueError:  # int("9" * 5000): Python refuses to convert so long a number
+        raise InputError(f"{where}: an integer of more than {sys.get_int_max_str_digits()} "
+                         "digits; not a number any grpogate file holds") from None
     # Only a "\ud8xx"-style escape can decode to a surrogate: one search skips the walk.
     if _SURROGATE_ESCAPE.search(text) and (field := _lone_surrogate_at(value)):
         raise InputError(f'{where}: field "{field}": a lone surrogate (\\udXXX escape without '
@@ -241,9 +252,13 @@ def parse_json(text: str, where: str):
 
 
 def read_json(path: str | Path):
-    """A whole JSON file through `parse_json` (InputError for bad UTF-8 or malformed JSON)."""
+    """A whole JSON file through `parse_json` (InputError for bad UTF-8 or malformed JSON,
+    FileTooLarge past MAX_FILE_BYTES)."""
     try:
-        return parse_json(Path(path).read_text(encoding="utf-8"), str(path))
+        with open(path, "rb") as stream:
+            data = stream.read(descriptor_size(stream.fileno(), path, MAX_FILE_BYTES,
+                                               "a JSON file"))
+        return parse_json(data.decode("utf-8"), str(path))
     except UnicodeDecodeError as error:
         raise InputError(f"{path}: not valid UTF-8 (byte {error.start})") from None
     except json.JSONDecodeError as error:
@@ -253,6 +268,7 @@ def read_json(path: str | Path):
 def read_jsonl(path: str | Path) -> list[dict]:
     records = []
     with open(path, encoding="utf-8") as stream:
+        descriptor_size(stream.fileno(), path, MAX_FILE_BYTES, "a JSONL file")
         for number, line in enumerate(stream, 1):
             if line.strip():
                 try:
@@ -365,27 +381,45 @@ def confined_file(root: str | Path, name: str) -> Path:
 
 
 @contextlib.contextmanager
-def _open_confined(root: str | Path, name: str):
-    """`confined_file(root, name)` opened without blocking and checked again on the open
-    descriptor (a file swapped for a FIFO after the check is refused, not waited on)."""
+def _open_confined(root: str | Path, name: str, limit: int, what: str):
+    """(stream, size) of `confined_file(root, name)` opened without blocking and checked again
+    on the open descriptor (a file swapped for a FIFO after the check is refused, not waited
+    on), its size within `limit` (FileTooLarge, naming root/name and `what`)."""
     path = confined_file(root, name)
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     with os.fdopen(descriptor, "rb") as stream:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
             raise InputError(f"{name}: not a regular file (a folder, FIFO, socket or device)")
-        yield stream
+        yield stream, descriptor_size(descriptor, os.path.join(root, name), limit, what)
 
 
 def read_confined(root: str | Path, name: str) -> bytes:
-    """The bytes of `confined_file(root, name)`, read as `_open_confined` opens it."""
-    with _open_confined(root, name) as stream:
-        return stream.read()
+    """The bytes of `confined_file(root, name)`, read as `_open_confined` opens it: its size
+    then, at most MAX_FILE_BYTES (a file growing while read is read no further)."""
+    what = "a run file grpogate parses"
+    with _open_confined(root, name, MAX_FILE_BYTES, what) as (stream, size):
+        return stream.read(size)
 
 
-def sha256_confined(root: str | Path, name: str) -> str:
-    """The sha256 of `confined_file(root, name)`, streamed as `_open_confined` opens it."""
+def sha256_confined(root: str | Path, name: str, limit: int = MAX_FILE_BYTES) -> str:
+    """The sha256 of `confined_file(root, name)`, streamed as `_open_confined` opens it (its
+    size then, at most `limit`)."""
     digest = hashlib.sha256()
-    with _open_confined(root, name) as stream:
-        while block := stream.read(1 << 22):
+    with _open_confined(root, name, limit, "a run file grpogate hashes") as (stream, size):
+        while size > 0 and (block := stream.read(min(1 << 22, size))):
             digest.update(block)
+            size -= len(block)
     return digest.hexdigest()
+
+
+# str.splitlines()'s line boundaries, as UTF-8: counted in the bytes at C speed ("\r\n" twice:
+# an over-count only), before a list of the lines is built.
+_LINE_BREAKS = [c.encode() for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"]
+
+
+def jsonl_lines(data: bytes, where: str) -> list[str]:
+    """The lines of JSONL `data`, as str.splitlines() splits its UTF-8 text (UnicodeDecodeError
+    when it is not); FileTooLarge past MAX_JSONL_LINES, counted before anything is split."""
+    breaks = sum(data.count(separator) for separator in _LINE_BREAKS)
+    refuse_larger(where, breaks, MAX_JSONL_LINES, "a JSONL file", "line breaks")
+    return data.decode("utf-8").splitlines()

@@ -3,16 +3,23 @@
 The audit recomputes a policy version from the adapter file itself, so it must read the tensors
 without torch. The format (huggingface/safetensors): an 8-byte little-endian header length, a
 JSON header {name: {dtype, shape, data_offsets}}, then the tensors' raw bytes.
+
+A file is bounded by its own header before a tensor byte is read: the tensors it declares must
+be packed back to back, total at most MAX_SAFETENSORS_DATA bytes, and the file must be exactly
+8 + header + tensors bytes long; more is FileTooLarge (bounds.py), less is a truncated file.
+The hash streams the tensors, one block at a time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
+import os
+import stat
 from pathlib import Path
 
 from grpogate.errors import InputError
+from grpogate.files.bounds import FileTooLarge, refuse_larger
 
 SAFETENSORS_DTYPES = {  # safetensors dtype -> (torch's name for it, bytes per element)
     "F64": ("torch.float64", 8), "F32": ("torch.float32", 4), "F16": ("torch.float16", 2),
@@ -21,63 +28,78 @@ SAFETENSORS_DTYPES = {  # safetensors dtype -> (torch's name for it, bytes per e
     "BOOL": ("torch.bool", 1), "F8_E4M3": ("torch.float8_e4m3fn", 1),
     "F8_E5M2": ("torch.float8_e5m2", 1)}
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
+# The tensor bytes a header may declare. grpogate's LoRA (rank 16 on every linear layer, float32)
+# is 19.6 MB on SmolLM2-135M, about 161 MB on a 7B model (28 layers x 90,112 x 16 x 4 bytes)
+# and 842 MB on a 72B one; rank 64 on a 32B model is 2.15 GB. 4 GiB holds each, and costs time,
+# not memory, to hash (streamed); read_safetensors holds the tensors of a caller's own adapter.
+MAX_SAFETENSORS_DATA = 4 << 30
+MAX_SAFETENSORS_BYTES = 8 + MAX_SAFETENSORS_HEADER + MAX_SAFETENSORS_DATA
+_BLOCK = 1 << 22
 
 
 def tensors_digest(entries) -> str:
     """THE adapter-identity rule: sha256 over (name, dtype, shape, bytes) sorted by name.
 
-    `entries` yields (name, torch dtype name, shape tuple, raw little-endian bytes). Both the
-    in-memory hash (inputs/policy.tensors_sha256) and the file hash below go through here, so
-    a file and the model it was saved from have one identity, and the rule exists once."""
+    `entries` yields (name, torch dtype name, shape tuple, raw little-endian bytes, or an
+    iterable of their blocks). Both the in-memory hash (inputs/policy.tensors_sha256) and the
+    file hash below go through here, so a file and the model it was saved from have one
+    identity, and the rule exists once."""
     digest = hashlib.sha256()
     for name, dtype, shape, data in sorted(entries, key=lambda entry: entry[0]):
         digest.update(f"{name}|{dtype}|{tuple(shape)}\n".encode())
-        digest.update(data)
+        for block in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
+            digest.update(block)
     return digest.hexdigest()
 
 
-def read_safetensors(path: str | Path) -> dict[str, tuple[str, tuple[int, ...], memoryview]]:
-    """{name: (torch dtype name, shape, bytes)} of a safetensors file; InputError (naming the
-    file and what is wrong) for an empty, truncated or malformed one. The messages quote no
-    byte of the file: a file that is not safetensors may be anything (a key, /etc/passwd)."""
-    data = Path(path).read_bytes()
-    if len(data) < 8:
-        raise InputError(f"{path}: not a safetensors file ({len(data)} bytes; truncated or empty)")
-    header_size = int.from_bytes(data[:8], "little")
-    if header_size > min(MAX_SAFETENSORS_HEADER, len(data) - 8):
+def _open_regular(path: str | Path):
+    """`path` opened without blocking; InputError unless the open descriptor is a regular file
+    (a FIFO swapped in after a caller's check is refused, not waited on)."""
+    stream = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
+    if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+        stream.close()
+        raise InputError(f"{path}: not a regular file (a folder, FIFO, socket or device)")
+    return stream
+
+
+def _layout(stream, path) -> tuple[int, int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
+    """(offset of the tensor bytes, their count, {name: (dtype, shape, begin, end)}) of an open
+    safetensors file, read from its header alone; InputError (naming the file and what is
+    wrong) for an empty, truncated or malformed one, FileTooLarge for one longer than its
+    header declares or declaring over MAX_SAFETENSORS_DATA. The messages quote no byte of the
+    file: a file that is not safetensors may be anything (a key, /etc/passwd)."""
+    size = os.fstat(stream.fileno()).st_size
+    if size < 8:
+        raise InputError(f"{path}: not a safetensors file ({size} bytes; truncated or empty)")
+    header_size = int.from_bytes(stream.read(8), "little")
+    if header_size > min(MAX_SAFETENSORS_HEADER, size - 8):
         raise InputError(f"{path}: truncated or not a safetensors file (its header length "
-                         f"field exceeds the file of {len(data)} bytes)")
+                         f"field exceeds the file of {size} bytes)")
     try:
-        header = json.loads(data[8:8 + header_size].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        header = json.loads(stream.read(header_size).decode("utf-8"))
+    except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, a 5000-digit integer
         raise InputError(f"{path}: malformed safetensors header "
                          f"({type(error).__name__})") from None
     if not isinstance(header, dict):
         raise InputError(f"{path}: malformed safetensors header (not a JSON object)")
-    buffer = memoryview(data)[8 + header_size:]
-    tensors, spans = {}, []
+    available, tensors = size - 8 - header_size, {}
     for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype, shape, begin, end = _safetensors_entry(path, name, entry)
-        count = math.prod(shape)
-        if end - begin != count * SAFETENSORS_DTYPES[dtype][1] or end > len(buffer):
-            raise InputError(f"{path}: tensor {name!r} ({dtype} {list(shape)}) has data offsets "
-                             f"[{begin}, {end}] that do not fit the file (truncated?)")
-        tensors[name] = (SAFETENSORS_DTYPES[dtype][0], shape, buffer[begin:end])
-        spans.append((begin, end))
+        if name != "__metadata__":
+            tensors[name] = _safetensors_entry(path, name, entry, available)
     position = 0
-    for begin, end in sorted(spans):  # the format packs tensors back to back, no overlaps
-        if begin != position:
+    for _, _, begin, end in sorted(tensors.values(), key=lambda t: t[2:]):
+        if begin != position:  # the format packs tensors back to back, no overlaps
             raise InputError(f"{path}: tensors overlap or leave gaps in the data (offset {begin}, "
                              f"expected {position})")
         position = end
-    if position != len(buffer):
-        raise InputError(f"{path}: {len(buffer) - position} bytes after the last tensor")
-    return tensors
+    refuse_larger(path, position, MAX_SAFETENSORS_DATA, "the tensors of a safetensors file")
+    refuse_larger(path, size, 8 + header_size + position,
+                  f"this safetensors file (8 + {header_size} header + {position} tensor bytes, "
+                  "as its header declares)")
+    return 8 + header_size, position, tensors
 
 
-def _safetensors_entry(path, name, entry) -> tuple[str, tuple[int, ...], int, int]:
+def _safetensors_entry(path, name, entry, available) -> tuple[str, tuple[int, ...], int, int]:
     ok = (isinstance(entry, dict) and entry.get("dtype") in SAFETENSORS_DTYPES
           and isinstance(entry.get("shape"), list)
           and all(type(d) is int and d >= 0 for d in entry["shape"])
@@ -86,13 +108,59 @@ def _safetensors_entry(path, name, entry) -> tuple[str, tuple[int, ...], int, in
           and entry["data_offsets"][0] <= entry["data_offsets"][1])
     if not ok:
         raise InputError(f"{path}: malformed safetensors header entry for tensor {name!r}")
-    return entry["dtype"], tuple(entry["shape"]), *entry["data_offsets"]
+    dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+    count = 0 if 0 in shape else SAFETENSORS_DTYPES[dtype][1]
+    for dim in shape:  # stops past the cap: a product of many huge dims is never computed
+        count *= dim
+        if count > MAX_SAFETENSORS_DATA:
+            raise FileTooLarge(f"{path}: tensor {name!r} ({dtype}, {len(shape)} dims) holds "
+                               f"over {MAX_SAFETENSORS_DATA} bytes, the limit of the tensors of a "
+                               "safetensors file; not what grpogate writes")
+    if end - begin != count or end > available:
+        raise InputError(f"{path}: tensor {name!r} ({dtype}, {count} bytes) has data offsets "
+                         f"[{begin}, {end}] that do not fit the file (truncated?)")
+    return dtype, shape, begin, end
+
+
+def read_safetensors(path: str | Path) -> dict[str, tuple[str, tuple[int, ...], memoryview]]:
+    """{name: (torch dtype name, shape, bytes)} of a safetensors file, bounded by its header
+    (`_layout`: InputError or FileTooLarge before a tensor byte is read)."""
+    with _open_regular(path) as stream:
+        _, length, tensors = _layout(stream, path)  # the stream is at the tensor bytes
+        buffer = memoryview(stream.read(length))
+    if len(buffer) != length:
+        raise InputError(f"{path}: shorter than its header declares (truncated while read?)")
+    return {name: (SAFETENSORS_DTYPES[dtype][0], shape, buffer[begin:end])
+            for name, (dtype, shape, begin, end) in tensors.items()}
+
+
+def safetensors_size(path: str | Path) -> int:
+    """The size of a safetensors file, which its header declares (`_layout`'s errors)."""
+    with _open_regular(path) as stream:
+        start, length, _ = _layout(stream, path)
+    return start + length
+
+
+def _blocks(stream, path, begin: int, end: int):
+    """The bytes [begin, end) of `stream`, a block at a time (read when iterated)."""
+    stream.seek(begin)
+    while begin < end:
+        block = stream.read(min(_BLOCK, end - begin))
+        if not block:
+            raise InputError(f"{path}: shorter than its header declares (truncated while read?)")
+        begin += len(block)
+        yield block
 
 
 def safetensors_sha256(path: str | Path) -> str:
-    """The adapter-identity hash (tensors_digest) of a safetensors file, without torch."""
-    return tensors_digest((name, dtype, shape, bytes(data))
-                          for name, (dtype, shape, data) in read_safetensors(path).items())
+    """The adapter-identity hash (tensors_digest) of a safetensors file, without torch: bounded
+    by its header (`_layout`) and streamed, so memory stays at one block whatever its size."""
+    with _open_regular(path) as stream:
+        start, _, tensors = _layout(stream, path)
+        return tensors_digest(
+            (name, SAFETENSORS_DTYPES[dtype][0], shape, _blocks(stream, path, start + begin,
+                                                                start + end))
+            for name, (dtype, shape, begin, end) in tensors.items())
 
 
 def policy_version(base_sha256: str, adapter_sha256: str | None) -> str:

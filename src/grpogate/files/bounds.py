@@ -1,0 +1,45 @@
+"""How large a file from a stranger may be: the size limits and their refusal, FileTooLarge.
+
+A limit is checked on the size of the open descriptor (os.fstat), never by a second lookup of
+the path that a swapped file would pass, and before the first byte is read. FileTooLarge is an
+InputError (exit 2, one line naming the file, its size and the limit) that no reader turns
+into a mismatch: a file past a size no real run writes makes the directory not a run. The
+adapter weights have their own rule, their header's (tensors.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+from grpogate.errors import InputError
+
+# Any file of a run directory but the adapter weights, and all the JSON and JSONL files an
+# audit parses together. A fixed cap, not one derived from the recorded config: the config is
+# the same stranger's claim, so a derived bound would still need this ceiling. The default
+# run's largest file is 2.7 MB (trajectories.jsonl, 4096 records); a record grows about 25
+# bytes a completion token (text and logprob), so 1 GiB holds some 100,000 records of 384 full
+# tokens, 25x the default run's count at 8x its budget. Memory: an audit holds what it parsed,
+# measured 6.3x the bytes of a real trajectories.jsonl (about 6.5 GB at this cap).
+MAX_FILE_BYTES = 1 << 30
+# Lines of a JSONL file, counted before any is split off (a list entry of ~60 bytes even when
+# blank, a mismatch when not an object). A real record carries ids and versions (the default
+# run's shortest line is 340 bytes), so a real file within MAX_FILE_BYTES has at most
+# 2**30 / 340 = 3.16 million lines, under 2**22 = 4,194,304.
+MAX_JSONL_LINES = 1 << 22
+
+
+class FileTooLarge(InputError):
+    """A file past its size limit: refused (exit 2), never read, never a mismatch."""
+
+
+def refuse_larger(shown, size: int, limit: int, what: str, unit: str = "bytes") -> int:
+    """`size`, when it is at most `limit`; FileTooLarge naming `shown` and `what` otherwise."""
+    if size > limit:
+        raise FileTooLarge(f"{shown}: {size} {unit}, over the limit of {limit} for {what}; "
+                           "not what grpogate writes")
+    return size
+
+
+def descriptor_size(descriptor: int, shown, limit: int, what: str) -> int:
+    """The size of the file open as `descriptor` (fstat), within `limit` (refuse_larger)."""
+    return refuse_larger(shown, os.fstat(descriptor).st_size, limit, what)
