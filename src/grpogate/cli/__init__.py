@@ -245,6 +245,7 @@ def decide(
             if problem is not None:
                 audit.update(mismatches=audit["mismatches"] + [
                     {"field": f"signature ({problem})", "recorded": None, "recomputed": None}],
+                    mismatch_count=audit.get("mismatch_count", len(audit["mismatches"])) + 1,
                     decision="reject", agrees=False)
     except InputError as error:
         fail(error)
@@ -255,11 +256,13 @@ def decide(
         if audit["checks"]:  # an unreadable evidence file has no gates to read
             console.print(plain(audit["gain_rule_line"]), soft_wrap=True)
         print_audit_lines(audit, verify_key)
-        if len(audit["mismatches"]) > 50:
-            console.print(f"... and {len(audit['mismatches']) - 50} more mismatches (--json lists all)")
+        found = audit.get("mismatch_count", len(audit["mismatches"]))
+        if found > 50:
+            console.print(f"... and {found - 50} more mismatches (--json lists the first "
+                          f"{len(audit['mismatches'])})")
         style = DECISION_STYLE[audit["decision"]]
         verdict = ("agrees with the run's own decision" if audit["agrees"] else
-                   f"{len(audit['mismatches'])} mismatch(es); the run recorded "
+                   f"{found} mismatch(es); the run recorded "
                    f"{plain(repr(audit['recorded_decision']))}")
         console.print(f"decision: [{style}]{audit['decision']}[/] ({verdict})")
     if not audit["agrees"]:

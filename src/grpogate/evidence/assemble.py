@@ -38,7 +38,8 @@ def library_versions() -> dict:
 
 
 def seeds(config: dict) -> dict:
-    """Step s samples with run seed + s, the re-test with run seed + 10,000 (both policies)."""
+    """Step s samples with run seed + s, the re-test with run seed + 10,000 (both policies).
+    One rollout seed per step: the comparison and bootstrap read their seeds without it."""
     seed, steps = config["seed"], step_count(config["train_prompts"], config["prompts_per_step"])
     return {"run": seed, "rollout": [rollout_seed(seed, s) for s in range(steps)],
             "refill": f"run seed + step + {REFILL_SEED_OFFSET:,} x round (round >= 1)",
@@ -99,11 +100,12 @@ def sampling_section(config: dict) -> dict:
 def generation_rounds(records: list[dict], group_size: int, run_seed: int, step: int) -> list[dict]:
     """One step's rounds as its records show them: round, seed, prompts, valid groups (the
     loop records these plus seconds; the audit recomputes them)."""
-    rounds = sorted({int(r.get("round", 0)) for r in records})
+    by_round: dict[int, list[dict]] = {}  # grouped once: linear in the records
+    for record in records:
+        by_round.setdefault(int(record.get("round", 0)), []).append(record)
     summary = []
-    for number in rounds:
-        members = [r for r in records if int(r.get("round", 0)) == number]
-        coverage = metrics.rollout_summary(members, group_size)
+    for number in sorted(by_round):
+        coverage = metrics.rollout_summary(by_round[number], group_size)
         summary.append({"round": number, "seed": rollout_seed(run_seed, step, number),
                         "prompts": coverage["group_count"],
                         "valid_groups": coverage["valid_group_count"]})
@@ -209,7 +211,7 @@ def comparison_section(eval_records: list[dict], config: dict, verifier_errors: 
     comparison = {
         "reward_mean_gain": candidate["mean_reward"] - baseline["mean_reward"],
         "pass_at_group_gain": candidate["pass_at_group"] - baseline["pass_at_group"],
-        "eval_group_size": group_size, "eval_seed": seeds(config)["eval"],
+        "eval_group_size": group_size, "eval_seed": eval_seed(config["seed"]),
         "baseline": baseline, "candidate": candidate, "paired": paired,
         "verifier_errors": verifier_errors,
     }
@@ -221,7 +223,7 @@ def comparison_section(eval_records: list[dict], config: dict, verifier_errors: 
 
 def bootstrap_settings(config: dict) -> dict:
     """The paired bootstrap of the eval and guard comparisons: resamples, seed, confidence."""
-    return {"resamples": BOOTSTRAP_RESAMPLES, "seed": seeds(config)["bootstrap"],
+    return {"resamples": BOOTSTRAP_RESAMPLES, "seed": config["seed"],  # as seeds() records
             "confidence": CONFIDENCE}
 
 
@@ -232,7 +234,7 @@ def skipped_comparison(config: dict) -> dict:
              "max_length_hit_ratio": 0.0, "length": metrics.length_summary([]),
              "length_histogram": None, "per_prompt": []}
     return {"skipped": True, "reward_mean_gain": 0.0, "pass_at_group_gain": 0.0,
-            "eval_group_size": config["eval_group_size"], "eval_seed": seeds(config)["eval"],
+            "eval_group_size": config["eval_group_size"], "eval_seed": eval_seed(config["seed"]),
             "baseline": dict(empty), "candidate": dict(empty), "paired": {},
             "verifier_errors": 0}
 

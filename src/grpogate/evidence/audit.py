@@ -33,12 +33,13 @@ from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, recorded_facts,
                                        step_summary, update_throughput)
+from grpogate.evidence.audit_bounds import BoundedAudit, refusing_excess
 from grpogate.evidence.audit_files import (Audit, anchored_versions, check_hashes, confined,
                                            numbered_jsonl, read_object, same_value,
                                            stored_problem_sets, unknown_fields)
 from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
 from grpogate.evidence.rescore import (RescorePlan, announce_cost, audit_reward_set, describe,
-                                      refuse_excess_records, rescored_reward)
+                                      rescored_reward, run_limits)
 from grpogate.files import confined_file
 from grpogate.inputs.tasks import load_problem_sets, problem_set_hash
 from grpogate.inputs.verifiers import get_verifier
@@ -121,11 +122,19 @@ def check_steps(audit: Audit, evidence: dict, trajectories: list[dict],
     mask_truncated = evidence["config"].get("mask_truncated_completions", False)
     iterations = evidence["config"].get("num_iterations", 1)
     steps = evidence.get("steps") if isinstance(evidence.get("steps"), list) else []
+    by_step: dict[Any, list[dict]] = {}  # indexed once: each step's records summed once
+    for record in trajectories:
+        by_step.setdefault(record.get("step"), []).append(record)
+    checked: set = set()
     for index, step in enumerate(steps):
-        records = [r for r in trajectories if r.get("step") == step.get("step")]
-        if not records:
-            audit.mismatch(f"steps[{index}] (no trajectories for step {step.get('step')!r})")
+        number = step.get("step")
+        key = object() if isinstance(number, (dict, list)) else number  # a list matches none
+        if key not in by_step or key in checked:  # a step recorded twice is summed once
+            audit.mismatch(f"steps[{index}] (step {number!r} recorded twice)" if key in checked
+                           else f"steps[{index}] (no trajectories for step {number!r})")
             continue
+        checked.add(key)
+        records = by_step[key]
         try:
             audit.compare(f"steps[{index}]", step,
                           step_summary(records, group_size, mask_truncated, iterations))
@@ -147,8 +156,7 @@ def check_steps(audit: Audit, evidence: dict, trajectories: list[dict],
     versions = {s.get("step"): s.get("policy_version") for s in steps}
     admitted = bool(trajectories)
     verifier_version = evidence["inputs"]["verifier"]["version"]
-    for step_number in dict.fromkeys(r.get("step") for r in trajectories):
-        records = [r for r in trajectories if r.get("step") == step_number]
+    for step_number, records in by_step.items():
         expected_version = versions.get(step_number, records[0].get("source_policy_version"))
         admitted &= decisions.check_step_contract(records, expected_version, verifier_version,
                                                   group_size, reward_versions)["admitted"]
@@ -317,6 +325,7 @@ def _check_run_records(audit: Audit, evidence: dict, numbered_trajectories, numb
                   max_new_tokens, plan=plan, first_index=len(numbered_trajectories))
 
 
+@refusing_excess
 def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
               max_rescore: int | None = None,
               announce: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -324,15 +333,16 @@ def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
     "mismatches", "checks", "rescoring"}; `decision` is `reject` whenever anything mismatches,
     else the decision `decide_run` recomputes from the evidence. InputError when there is no
     evidence.json at all, when a path the run names leaves the run directory or is not a regular
-    file, or when it holds more records than its config runs; an unreadable evidence.json is a
-    mismatch like any other tampering. User reward code runs only for `trusted_rewards`;
-    `max_rescore` caps the records re-scored; `announce` hears the cost of a long re-scoring
-    before it starts (rescore.py)."""
+    file, when its config's counts are implausible (rescore.run_limits) or a file holds more
+    records than they allow (refused as it is read, audit_bounds.py); an unreadable
+    evidence.json is a mismatch like any other tampering (the first MAX_LISTED_MISMATCHES are
+    listed). User reward code runs only for `trusted_rewards`; `max_rescore` caps the records
+    re-scored; `announce` hears the cost of a long re-scoring before it starts (rescore.py)."""
     run_dir = Path(run_dir)
     if not confined(run_dir, "evidence.json"):
         raise InputError(f"{run_dir}: not a run directory (no evidence.json, or not a regular "
                          "file)")
-    audit = Audit()
+    audit = BoundedAudit()
     evidence = read_object(run_dir / "evidence.json", audit)
     if evidence is None or not isinstance(evidence.get("config"), dict):
         if evidence is not None:
@@ -340,11 +350,9 @@ def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
         return {"run_dir": str(run_dir), "recorded_decision": None, "decision": "reject",
                 "agrees": False, "mismatches": audit.mismatches, "checks": []}
     check_adapter_dir(run_dir, evidence)
+    audit.limit_records(run_dir, run_limits(evidence))  # checked before anything is built
     manifest, *files = read_run(audit, run_dir, guard_expected(evidence))
     numbered = dict(zip(("trajectories", "eval", "guard"), files))
-    refuse_excess_records(evidence["config"], {"trajectories.jsonl": len(numbered["trajectories"]),
-                                               "eval_completions.jsonl": len(numbered["eval"]),
-                                               GUARD_FILE: len(numbered["guard"])})
     trajectories, eval_records, guard_records = (
         [record for _, record in numbered[name]] for name in ("trajectories", "eval", "guard"))
     # The guard's records are always re-scored (their count is bounded by the config above).
@@ -384,7 +392,8 @@ def verdict(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, Any]:
         "run_dir": str(run_dir), "recorded_decision": recorded,
         "decision": "reject" if audit.mismatches else recomputed["decision"],
         "agrees": not audit.mismatches and recomputed["decision"] == recorded,
-        "mismatches": audit.mismatches, "checks": recomputed["checks"],
+        "mismatches": audit.mismatches, "mismatch_count": audit.mismatch_count,
+        "checks": recomputed["checks"],
         "non_default_gates": non_default_gates(evidence),
         "gain_rule": decisions.gain_rule((evidence.get("config") or {}).get("gates")),
         "gain_rule_line": decisions.gain_rule_line((evidence.get("config") or {}).get("gates")),

@@ -24,7 +24,8 @@ from grpogate.evidence.audit import (_verifier, audit_run, check_adapter_dir, ch
 from grpogate.evidence.audit_files import (Audit, anchored_versions, check_hashes, numbered_jsonl,
                                            read_object)
 from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
-from grpogate.evidence.rescore import refuse_excess_records
+from grpogate.evidence.audit_bounds import BoundedAudit, refusing_excess
+from grpogate.evidence.rescore import record_limits
 from grpogate.evidence.trainer_log import assemble_foreign_evidence, foreign_facts
 from grpogate.files import parse_json, read_confined
 from grpogate.inputs.tasks import problem_set_hash, stored_sets
@@ -89,17 +90,20 @@ def _check_assembly(audit: Audit, evidence: dict, log: dict, eval_records: list[
         foreign_facts(evidence), evidence["config"], log, eval_records, guard_records))
 
 
+@refusing_excess
 def audit_foreign_run(run_dir: str | Path) -> dict[str, Any]:
-    """The result has the shape of `audit_run`'s, plus "not_checkable" (a sentence)."""
+    """The result has the shape of `audit_run`'s, plus "not_checkable" (a sentence). A re-test
+    file with more records than the recorded config allows is refused as it is read."""
     run_dir = Path(run_dir)
-    audit = Audit()
+    audit = BoundedAudit()
     evidence = read_object(run_dir / "evidence.json", audit)
     if evidence is None:
         raise InputError(f"{run_dir}/evidence.json: unreadable")
     check_adapter_dir(run_dir, evidence)
+    limits = record_limits(evidence["config"])
+    audit.limit_records(run_dir, {name: limits[name]
+                                  for name in ("eval_completions.jsonl", GUARD_FILE)})
     manifest, _, numbered_eval, numbered_guard = read_run(audit, run_dir, guard_expected(evidence))
-    refuse_excess_records(evidence["config"], {"eval_completions.jsonl": len(numbered_eval),
-                                               GUARD_FILE: len(numbered_guard)})
     eval_records = [record for _, record in numbered_eval]
     guard_records = [record for _, record in numbered_guard]
     try:

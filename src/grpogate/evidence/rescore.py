@@ -8,10 +8,13 @@ importable here from outside the run directory, and its source hashes to the ver
 recorded. The built-in components (correctness through the verifier, format, overlong) are
 always re-scored, and every weighted total is recomputed from the components.
 
-Its cost is bounded: a directory holding more records than a real run of its recorded config
-writes is refused, `--max-rescore N` re-scores a random sample of N records (the seed is
-reported; the others' verifier and user-code values are taken as recorded, everything else is
-still checked), and the estimated time is announced before a long re-scoring starts.
+Its cost is bounded: a recorded config with a count past caps far above any real run, or a
+step count that is not what the evidence holds, is refused before anything is built from it;
+a file holding more records than a real run of the recorded config writes is refused as it is
+read, before a line of it is parsed (audit_bounds.py); `--max-rescore N` re-scores a random
+sample of N records (the seed is reported; the others' verifier and user-code values are taken
+as recorded, everything else is still checked), and the estimated time is announced before a
+long re-scoring starts.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from grpogate.config import BUILT_IN_REWARDS, MAX_REWARD_VALUE, MAX_REWARD_WEIGHT
+from grpogate.config import BUILT_IN_REWARDS, MAX_REWARD_VALUE, MAX_REWARD_WEIGHT, step_count
 from grpogate.errors import InputError
-from grpogate.evidence.manifest import GUARD_FILE
+from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
 from grpogate.inputs.rewards import (CORRECTNESS, TRL_SIGNATURE_SUFFIX, RewardSet,
                                      reward_set_from_config,
                                      user_reward_names, user_reward_origin, user_reward_version)
@@ -37,37 +40,82 @@ TYPICAL_SECONDS = {MATH_VERIFY: 0.01}
 ANNOUNCE_AFTER_SECONDS = 30.0  # a worst case past this is announced before the work starts
 
 
+# Caps far above any real run, checked before the audit builds anything from a count (it builds
+# one rollout seed per step, assemble.seeds): the largest public math RL sets hold about 10**6
+# problems, a GRPO group is 2 to 64 samples, dynamic sampling draws 3 rounds by default, and a
+# step (a generation and an update) takes seconds: 10**6 steps is 12 days at one a second.
+MAX_PROMPTS = 10_000_000  # train, eval and guard set sizes; prompts per step
+MAX_GROUP_SIZE = 65_536  # group_size, eval_group_size, guard.group_size
+MAX_GENERATION_ROUNDS = 1_000
+MAX_STEPS = 1_000_000
+
+
+def _count(settings: dict, key: str, cap: int, name: str, default: Any = None) -> int:
+    """settings[key], a positive integer at most `cap`; InputError naming config field `name`."""
+    value = settings.get(key, default)
+    if type(value) is not int or not 1 <= value <= cap:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise InputError(f"evidence.json: field config.{name}: expected a positive integer at "
+                         f"most {cap:,}, got {shown}")
+    return value
+
+
 def record_limits(config: dict) -> dict[str, int]:
     """The most records a real run of `config` writes: trajectories, steps x prompts_per_step x
     group_size x generation rounds (dynamic sampling refills at most a step's prompts per round);
     the re-test, both policies x eval_prompts x eval_group_size; the guard set, both policies x
-    its prompts x its group size. InputError when a count the
-    bound is made of is not a positive integer."""
-    def count(key: str, default: Any = None) -> int:
-        value = config.get(key, default)
-        if type(value) is not int or value < 1:
-            raise InputError(f"evidence.json: field config.{key}: expected a positive integer, "
-                             f"got {value!r}")
-        return value
+    its prompts x its group size; problems.jsonl, the train, eval and guard sets. InputError
+    when a count the bound is made of is not a positive integer within its cap."""
+    def count(key: str, cap: int, default: Any = None) -> int:
+        return _count(config, key, cap, key, default)
 
-    rounds = count("max_generation_rounds", 1) if config.get("dynamic_sampling") is True else 1
-    steps = count("train_prompts") // count("prompts_per_step")
+    rounds = (count("max_generation_rounds", MAX_GENERATION_ROUNDS, 1)
+              if config.get("dynamic_sampling") is True else 1)
+    train, per_step = count("train_prompts", MAX_PROMPTS), count("prompts_per_step", MAX_PROMPTS)
+    trajectories = train // per_step * per_step * count("group_size", MAX_GROUP_SIZE) * rounds
+    eval_prompts = count("eval_prompts", MAX_PROMPTS)
+    retest = 2 * eval_prompts * count("eval_group_size", MAX_GROUP_SIZE)
     guard = config.get("guard") if isinstance(config.get("guard"), dict) else {}
-    guard_size = [guard.get(key) for key in ("prompts", "group_size")]
-    return {"trajectories.jsonl": steps * count("prompts_per_step") * count("group_size") * rounds,
-            "eval_completions.jsonl": 2 * count("eval_prompts") * count("eval_group_size"),
-            # both policies on the guard set; none when the guard is off or its size unreadable
-            GUARD_FILE: (2 * guard_size[0] * guard_size[1]
-                         if all(type(n) is int and n > 0 for n in guard_size) else 0)}
+    # both policies on the guard set; none when the guard is off or its size unreadable
+    guard_size = (0, 0)
+    if all(type(guard.get(key)) is int and guard[key] > 0 for key in ("prompts", "group_size")):
+        guard_size = (_count(guard, "prompts", MAX_PROMPTS, "guard.prompts"),
+                      _count(guard, "group_size", MAX_GROUP_SIZE, "guard.group_size"))
+    return {"trajectories.jsonl": trajectories, "eval_completions.jsonl": retest,
+            GUARD_FILE: 2 * guard_size[0] * guard_size[1],
+            PROBLEMS_FILE: train + eval_prompts + guard_size[0]}
 
 
-def refuse_excess_records(config: dict, counts: dict[str, int]) -> None:
-    """InputError when a file holds more records than a real run of the recorded config: the
-    re-scoring cost is then set by the run's own settings, not by the directory's writer."""
-    for name, limit in record_limits(config).items():
-        if counts.get(name, 0) > limit:
-            raise InputError(f"{name}: {counts[name]} records, more than a run of the recorded "
-                             f"config writes ({limit}); not a grpogate run directory")
+def run_limits(evidence: dict) -> dict[str, int]:
+    """`record_limits` of the recorded config, once its step count is checked against what the
+    evidence holds: at most MAX_STEPS, one recorded rollout seed per step (a run records
+    assemble.seeds), no more step records than steps. InputError otherwise, before anything is
+    built from the counts."""
+    config = evidence["config"]
+    limits = record_limits(config)
+    steps = step_count(config["train_prompts"], config["prompts_per_step"])
+    implied = "config.train_prompts // config.prompts_per_step"
+    if steps > MAX_STEPS:
+        raise InputError(f"evidence.json: field config.train_prompts: {implied} = {steps:,} "
+                         f"steps, more than {MAX_STEPS:,}; not a grpogate run directory")
+    seeds = evidence.get("seeds") if isinstance(evidence.get("seeds"), dict) else {}
+    rollout = seeds.get("rollout")
+    if not isinstance(rollout, list) or len(rollout) != steps:
+        held = f"{len(rollout)} seeds" if isinstance(rollout, list) else "no list"
+        raise InputError(f"evidence.json: field seeds.rollout: {held}, not one per step of the "
+                         f"recorded config ({implied} = {steps}); not a grpogate run directory")
+    recorded = evidence.get("steps")
+    if isinstance(recorded, list) and len(recorded) > steps:
+        raise InputError(f"evidence.json: field steps: {len(recorded)} step records, more than "
+                         f"the recorded config runs ({implied} = {steps}); not a grpogate run "
+                         "directory")
+    return limits
+
+
+def excess_records(name: str, count: int, limit: int) -> str:
+    """The refusal of a file holding more records than a run of the recorded config writes."""
+    return (f"{name}: {count} records, more than a run of the recorded config writes "
+            f"({limit}); not a grpogate run directory")
 
 
 @dataclass
