@@ -25,7 +25,8 @@ from typer.testing import CliRunner
 from grpogate.cli import app
 from grpogate.evidence import assemble, audit, audit_files
 from grpogate.evidence.assemble import bootstrap_settings, skipped_comparison
-from grpogate.evidence.audit_bounds import MAX_LISTED_MISMATCHES, BoundedAudit, count_lines
+from grpogate.evidence.audit_bounds import (MAX_LISTED_MISMATCHES, BoundedAudit, count_lines,
+                                            mismatches_found)
 from grpogate.evidence.audit_files import Audit
 from grpogate.files import atomic_write_json
 
@@ -203,9 +204,13 @@ def test_mismatches_past_the_listed_ones_are_counted_not_kept():
         f"line {MAX_LISTED_MISMATCHES - 1}")
     assert bounded.mismatches[-1] == {
         "field": f"more mismatches, not listed (the audit lists the first "
-                 f"{MAX_LISTED_MISMATCHES})", "recorded": 5, "recomputed": None}
+                 f"{MAX_LISTED_MISMATCHES})", "recorded": 5, "recomputed": None, "unlisted": 5}
     # 1000 listed + 5 counted in the last entry = 1005 found, the number the terminal prints.
-    assert bounded.mismatch_count == MAX_LISTED_MISMATCHES + 5
+    assert mismatches_found(bounded.mismatches) == (MAX_LISTED_MISMATCHES + 5,
+                                                   MAX_LISTED_MISMATCHES)
     few = BoundedAudit()
     few.mismatch("one")
-    assert few.mismatch_count == 1
+    assert mismatches_found(few.mismatches) == (1, 1)
+    # A replay or a signature appends its mismatches to the list: the count follows the list
+    # (it once stayed at an audit's stored figure and printed "0 mismatch(es)").
+    assert mismatches_found(few.mismatches + [{"field": "replay", "recorded": 1}]) == (2, 2)

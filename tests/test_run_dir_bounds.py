@@ -21,6 +21,7 @@ from test_hostile_run_dir import edit_json, error_line, grpogate
 
 from grpogate.evidence import audit_files
 from grpogate.evidence.audit import audit_run
+from grpogate.errors import InputError
 from grpogate.files import FileTooLarge, read_safetensors, safetensors_sha256
 
 GiB = 1 << 30
@@ -275,3 +276,9 @@ def test_the_streamed_weights_hash_is_the_adapter_identity_rule(tmp_path):
     assert safetensors_sha256(path) == digest.hexdigest()
     assert {name: bytes(data) for name, (_, _, data) in read_safetensors(path).items()} == {
         name: struct.pack("<2f", *values) for name, values in SYNTHETIC_ADAPTER.items()}
+
+
+def test_a_weights_path_that_cannot_be_opened_is_bad_input_not_a_traceback(tmp_path):
+    """A baseline path the run directory names may vanish or be unreadable after its check."""
+    with pytest.raises(InputError, match="unreadable"):
+        safetensors_sha256(tmp_path / "gone" / "adapter_model.safetensors")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -165,6 +166,12 @@ def test_a_trl_run_is_gated_audited_replayed_and_reported(trl_run, tiny_model_di
     (run_dir / "trainer_state.json").write_text(json.dumps(state))
     tampered = CliRunner().invoke(app, ["decide", str(run_dir)])
     assert tampered.exit_code == 4 and "trainer_state" in tampered.output
+    # Past the size no real run writes (1 GiB; sparse, no disk) the log refuses the directory
+    # (exit 2), as every run file does; it is not a mismatch to read on past.
+    os.truncate(run_dir / "trainer_state.json", (1 << 30) + 1)
+    oversized = CliRunner().invoke(app, ["decide", str(run_dir)])
+    assert oversized.exit_code == 2, oversized.output
+    assert "trainer_state.json" in oversized.output and "over the limit" in oversized.output
 
 
 def test_an_adapter_of_another_base_model_is_rejected(trl_run, tiny_model_dir, tmp_path):

@@ -24,6 +24,7 @@ from grpogate.cli.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichRepo
                                    gates_table, print_json, progress_bars, quiet_libraries)
 from grpogate.config import load_config
 from grpogate.errors import InputError, command, plain
+from grpogate.evidence.audit_bounds import mismatches_found
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="Auditable GRPO runs that end in an accept / tune / reject decision.")
@@ -245,7 +246,6 @@ def decide(
             if problem is not None:
                 audit.update(mismatches=audit["mismatches"] + [
                     {"field": f"signature ({problem})", "recorded": None, "recomputed": None}],
-                    mismatch_count=audit.get("mismatch_count", len(audit["mismatches"])) + 1,
                     decision="reject", agrees=False)
     except InputError as error:
         fail(error)
@@ -256,10 +256,10 @@ def decide(
         if audit["checks"]:  # an unreadable evidence file has no gates to read
             console.print(plain(audit["gain_rule_line"]), soft_wrap=True)
         print_audit_lines(audit, verify_key)
-        found = audit.get("mismatch_count", len(audit["mismatches"]))
+        found, listed = mismatches_found(audit["mismatches"])
         if found > 50:
             console.print(f"... and {found - 50} more mismatches (--json lists the first "
-                          f"{len(audit['mismatches'])})")
+                          f"{listed})")
         style = DECISION_STYLE[audit["decision"]]
         verdict = ("agrees with the run's own decision" if audit["agrees"] else
                    f"{found} mismatch(es); the run recorded "

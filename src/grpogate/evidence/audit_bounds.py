@@ -58,11 +58,6 @@ class BoundedAudit(Audit):
             raise ExcessRecords(excess_records(path.name, count, limit))
         return data
 
-    @property
-    def mismatch_count(self) -> int:
-        """All mismatches found, the unlisted ones included (the last entry then counts them)."""
-        return len(self.mismatches) + (self.unlisted - 1 if self.unlisted else 0)
-
     def mismatch(self, field: str, recorded: Any = None, recomputed: Any = None) -> None:
         if len(self.mismatches) < MAX_LISTED_MISMATCHES:
             super().mismatch(field, recorded, recomputed)
@@ -70,7 +65,18 @@ class BoundedAudit(Audit):
         self.unlisted += 1
         self.mismatches[MAX_LISTED_MISMATCHES:] = [{
             "field": f"more mismatches, not listed (the audit lists the first "
-                     f"{MAX_LISTED_MISMATCHES})", "recorded": self.unlisted, "recomputed": None}]
+                     f"{MAX_LISTED_MISMATCHES})", "recorded": self.unlisted, "recomputed": None,
+            "unlisted": self.unlisted}]
+
+
+def mismatches_found(mismatches: list[dict]) -> tuple[int, int]:
+    """(mismatches found, mismatches listed) of an audit's list: the last entry may count the
+    unlisted ones (its "unlisted" key, which no other entry has)."""
+    last = mismatches[-1] if mismatches else {}
+    unlisted = last.get("unlisted") if isinstance(last, dict) else None
+    if isinstance(unlisted, int) and unlisted > 0:
+        return len(mismatches) - 1 + unlisted, len(mismatches) - 1
+    return len(mismatches), len(mismatches)
 
 
 def refusing_excess(function: Callable) -> Callable:

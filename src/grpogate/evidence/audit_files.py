@@ -27,7 +27,7 @@ from grpogate.inputs.tasks import stored_sets
 
 FLOAT_TOLERANCE = 1e-9
 # A run's manifest (build_manifest) lists RUN_FILES (6) and its adapter folder's files (3 for
-# grpogate's adapter; a TRL checkpoint's adds its tokenizer and training files): under 20.
+# grpogate's adapter; a gated TRL run's copies its adapter config and weights): under 20.
 MAX_MANIFEST_FILES = 1000
 # All the distinct files an audit hashes (build_manifest hashes them again): the adapter weights
 # at their cap, and twice MAX_FILE_BYTES for the rest (a real run's are a few MB in all).
@@ -45,10 +45,6 @@ class Audit:
         self.mismatches: list[dict[str, Any]] = []
         self.parsed: dict[Path, bytes] = {}
         self.hashed: dict[Path, str] = {}  # by resolved path: a file named twice is hashed once
-
-    @property
-    def mismatch_count(self) -> int:
-        return len(self.mismatches)
 
     def read(self, path: Path) -> bytes:
         """The bytes of a run file (read_confined), kept for `sha256`. The audit holds every
@@ -293,8 +289,9 @@ def anchored_versions(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, 
     when a regular file is there (§7: both versions recomputed from the tensors), under the
     candidate's bounds, so a path the directory names costs at most one streamed read of a
     file on the auditor's own machine: opened without blocking and checked to be a regular
-    file on the descriptor, exactly the size its header declares (FileTooLarge otherwise, or
-    past MAX_SAFETENSORS_DATA: exit 2), hashed a block at a time. Unreadable is a mismatch;
+    file on the descriptor, exactly the size its header declares (longer, or declaring more
+    than MAX_SAFETENSORS_DATA: FileTooLarge, exit 2; shorter: truncated, a mismatch), hashed
+    a block at a time. Unreadable is a mismatch;
     absent, the recorded version is taken."""
     inputs, artifact = evidence["inputs"], evidence.get("artifact") or {}
     base = (inputs.get("model") or {}).get("sha256")

@@ -27,7 +27,7 @@ from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
 from grpogate.evidence.audit_bounds import BoundedAudit, refusing_excess
 from grpogate.evidence.rescore import record_limits
 from grpogate.evidence.trainer_log import assemble_foreign_evidence, foreign_facts
-from grpogate.files import parse_json, read_confined
+from grpogate.files import FileTooLarge, parse_json, read_confined
 from grpogate.inputs.tasks import problem_set_hash, stored_sets
 
 TRAINER_STATE_FILE = "trainer_state.json"  # the foreign log, copied byte for byte into the run
@@ -56,6 +56,8 @@ def audit_any(run_dir: str | Path, **options) -> dict[str, Any]:
 def _stored_log(audit: Audit, run_dir: Path, evidence: dict) -> dict | None:
     try:  # read_object opens only a regular file inside the run (read_confined)
         state = read_object(run_dir / TRAINER_STATE_FILE, audit)
+    except FileTooLarge:  # past a size no real run writes: not a run (exit 2)
+        raise
     except InputError as error:  # flagged, and never read
         audit.mismatch(f"{TRAINER_STATE_FILE} ({str(error).removeprefix(TRAINER_STATE_FILE + ': ')})")
         return None

@@ -1,7 +1,9 @@
 """How large a file from a stranger may be: the size limits and their refusal, FileTooLarge.
 
-A limit is checked on the size of the open descriptor (os.fstat), never by a second lookup of
-the path that a swapped file would pass, and before the first byte is read. FileTooLarge is an
+A limit is checked on the size of the open descriptor (os.fstat) before the first byte is
+read; a budget taken earlier from the path (the audit's hashing total) is a first check only,
+each file's own limit is checked again on its descriptor, so a file swapped in between is
+caught there. FileTooLarge is an
 InputError (exit 2, one line naming the file, its size and the limit) that no reader turns
 into a mismatch: a file past a size no real run writes makes the directory not a run. The
 adapter weights have their own rule, their header's (tensors.py).

@@ -55,7 +55,10 @@ def tensors_digest(entries) -> str:
 def _open_regular(path: str | Path):
     """`path` opened without blocking; InputError unless the open descriptor is a regular file
     (a FIFO swapped in after a caller's check is refused, not waited on)."""
-    stream = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
+    try:
+        stream = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
+    except OSError as error:  # a path the run directory names may be unreadable or vanish
+        raise InputError(f"{path}: unreadable ({error.strerror})") from None
     if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
         stream.close()
         raise InputError(f"{path}: not a regular file (a folder, FIFO, socket or device)")
