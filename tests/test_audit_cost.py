@@ -25,10 +25,9 @@ from typer.testing import CliRunner
 from grpogate.cli import app
 from grpogate.evidence import assemble, audit, audit_files
 from grpogate.evidence.assemble import bootstrap_settings, skipped_comparison
-from grpogate.evidence.audit_bounds import (MAX_LISTED_MISMATCHES, BoundedAudit, count_lines,
-                                            mismatches_found)
-from grpogate.evidence.audit_files import Audit
-from grpogate.files import atomic_write_json
+from grpogate.evidence.audit_bounds import MAX_LISTED_MISMATCHES, BoundedAudit, mismatches_found
+from grpogate.evidence.audit_files import Audit, numbered_jsonl
+from grpogate.files import FileTooLarge, atomic_write_json
 
 
 @pytest.fixture
@@ -149,9 +148,19 @@ def test_blank_lines_are_not_records(run_dir):
 
 @pytest.mark.parametrize("text", ["", "a\nb", " \n\t\r\n", "{}\r\n{}\r{}\x85{}\u2029 \xa0\n",
                                   "x\x1cy\x1dz\x1e\x1f\u3000", "\x0b\x0c{}\x0b"])
-def test_count_lines_counts_what_the_reader_reads(text):
-    assert count_lines(text.encode()) == sum(1 for line in text.splitlines() if line.strip())
-    assert count_lines(b"\xff{}\n") == 0  # not UTF-8: the reader names it, and reads nothing
+def test_the_record_limit_counts_the_lines_the_reader_reads(tmp_path, text):
+    """The limit counts str.splitlines()'s non-blank lines, the ones the reader then parses:
+    at the count it passes, one below it refuses before any line is parsed."""
+    (tmp_path / "file.jsonl").write_bytes(text.encode())
+    records = sum(1 for line in text.splitlines() if line.strip())
+    reader = BoundedAudit()
+    reader.limit_records(tmp_path, {"file.jsonl": records})
+    numbered_jsonl(tmp_path / "file.jsonl", reader)  # within its limit: read
+    if records:
+        refusing = BoundedAudit()
+        refusing.limit_records(tmp_path, {"file.jsonl": records - 1})
+        with pytest.raises(FileTooLarge, match=f"{records} records"):
+            numbered_jsonl(tmp_path / "file.jsonl", refusing)
 
 
 # --- the step checks: refused past the config's steps, linear within them -----------------------

@@ -33,7 +33,7 @@ from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, recorded_facts,
                                        step_summary, update_throughput)
-from grpogate.evidence.audit_bounds import BoundedAudit, refusing_excess
+from grpogate.evidence.audit_bounds import BoundedAudit
 from grpogate.evidence.audit_files import (Audit, anchored_versions, check_hashes, confined,
                                            numbered_jsonl, read_object, same_value,
                                            stored_problem_sets, unknown_fields)
@@ -325,7 +325,6 @@ def _check_run_records(audit: Audit, evidence: dict, numbered_trajectories, numb
                   max_new_tokens, plan=plan, first_index=len(numbered_trajectories))
 
 
-@refusing_excess
 def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
               max_rescore: int | None = None,
               announce: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -334,7 +333,7 @@ def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
     else the decision `decide_run` recomputes from the evidence. InputError when there is no
     evidence.json at all, when a path the run names leaves the run directory or is not a regular
     file, when its config's counts are implausible (rescore.run_limits) or a file holds more
-    records than they allow (refused as it is read, audit_bounds.py); an unreadable
+    records than they allow (refused as it is read, audit_files.numbered_jsonl); an unreadable
     evidence.json is a mismatch like any other tampering (the first MAX_LISTED_MISMATCHES are
     listed). User reward code runs only for `trusted_rewards`; `max_rescore` caps the records
     re-scored; `announce` hears the cost of a long re-scoring before it starts (rescore.py)."""

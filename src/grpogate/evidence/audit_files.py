@@ -45,6 +45,11 @@ class Audit:
         self.mismatches: list[dict[str, Any]] = []
         self.parsed: dict[Path, bytes] = {}
         self.hashed: dict[Path, str] = {}  # by resolved path: a file named twice is hashed once
+        self.limits: dict[Path, int] = {}  # the most records a JSONL file may hold
+
+    def limit_records(self, run_dir: Path, limits: dict[str, int]) -> None:
+        """At most limits[name] records in run_dir/name, checked as `numbered_jsonl` reads it."""
+        self.limits = {run_dir / name: limit for name, limit in limits.items()}
 
     def read(self, path: Path) -> bytes:
         """The bytes of a run file (read_confined), kept for `sha256`. The audit holds every
@@ -124,9 +129,16 @@ def read_object(path: Path, audit: Audit) -> dict | None:
     return document
 
 
+def excess_records(name: str, count: int, limit: int) -> str:
+    """The refusal of a file holding more records than a run of the recorded config writes."""
+    return (f"{name}: {count} records, more than a run of the recorded config writes "
+            f"({limit}); not a grpogate run directory")
+
+
 def numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
     """(1-based line number, record) for every non-blank line; bad lines become mismatches.
-    FileTooLarge for a file past its bytes or lines (bounds.py), before a line is parsed."""
+    FileTooLarge, before a line is parsed, for a file past its bytes or lines (bounds.py) or
+    with more non-blank lines (each a record or a mismatch) than `audit.limits` allows it."""
     try:
         lines = jsonl_lines(audit.read(path), str(path))
     except FileTooLarge:
@@ -137,6 +149,9 @@ def numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
     except UnicodeDecodeError:
         audit.mismatch(f"{path.name} (not UTF-8 text)")
         return []
+    limit = audit.limits.get(path)
+    if limit is not None and (count := sum(1 for line in lines if line.strip())) > limit:
+        raise FileTooLarge(excess_records(path.name, count, limit))
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

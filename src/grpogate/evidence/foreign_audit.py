@@ -24,7 +24,7 @@ from grpogate.evidence.audit import (_verifier, audit_run, check_adapter_dir, ch
 from grpogate.evidence.audit_files import (Audit, anchored_versions, check_hashes, numbered_jsonl,
                                            read_object)
 from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
-from grpogate.evidence.audit_bounds import BoundedAudit, refusing_excess
+from grpogate.evidence.audit_bounds import BoundedAudit
 from grpogate.evidence.rescore import record_limits
 from grpogate.evidence.trainer_log import assemble_foreign_evidence, foreign_facts
 from grpogate.files import FileTooLarge, parse_json, read_confined
@@ -92,7 +92,6 @@ def _check_assembly(audit: Audit, evidence: dict, log: dict, eval_records: list[
         foreign_facts(evidence), evidence["config"], log, eval_records, guard_records))
 
 
-@refusing_excess
 def audit_foreign_run(run_dir: str | Path) -> dict[str, Any]:
     """The result has the shape of `audit_run`'s, plus "not_checkable" (a sentence). A re-test
     file with more records than the recorded config allows is refused as it is read."""

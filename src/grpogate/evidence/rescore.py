@@ -11,10 +11,10 @@ always re-scored, and every weighted total is recomputed from the components.
 Its cost is bounded: a recorded config with a count past caps far above any real run, or a
 step count that is not what the evidence holds, is refused before anything is built from it;
 a file holding more records than a real run of the recorded config writes is refused as it is
-read, before a line of it is parsed (audit_bounds.py); `--max-rescore N` re-scores a random
-sample of N records (the seed is reported; the others' verifier and user-code values are taken
-as recorded, everything else is still checked), and the estimated time is announced before a
-long re-scoring starts.
+read, before a line of it is parsed (audit_files.numbered_jsonl); `--max-rescore N`
+re-scores a random sample of N records (the seed is reported; the others' verifier and
+user-code values are taken as recorded, everything else is still checked), and the estimated
+time is announced before a long re-scoring starts.
 """
 
 from __future__ import annotations
@@ -110,12 +110,6 @@ def run_limits(evidence: dict) -> dict[str, int]:
                          f"the recorded config runs ({implied} = {steps}); not a grpogate run "
                          "directory")
     return limits
-
-
-def excess_records(name: str, count: int, limit: int) -> str:
-    """The refusal of a file holding more records than a run of the recorded config writes."""
-    return (f"{name}: {count} records, more than a run of the recorded config writes "
-            f"({limit}); not a grpogate run directory")
 
 
 @dataclass
