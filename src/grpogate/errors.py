@@ -40,3 +40,9 @@ def command(*words) -> str:
     """A command for the user to copy, as text: every word shell-quoted (a run directory named
     `$(id)` pastes as a name, not as a command substitution), then `plain`."""
     return plain(shlex.join(str(word) for word in words))
+
+
+def first_line(error: Exception) -> str:
+    """An error's first line of text, or its type's name when it has none: for a one-line
+    `error:` message built around a library's multi-line exception."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

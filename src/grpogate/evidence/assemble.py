@@ -37,13 +37,18 @@ def library_versions() -> dict:
     return versions
 
 
+def bootstrap_seed(config: dict) -> int:
+    """The paired bootstrap's seed: the run seed (read without building `seeds`)."""
+    return config["seed"]
+
+
 def seeds(config: dict) -> dict:
     """Step s samples with run seed + s, the re-test with run seed + 10,000 (both policies).
     One rollout seed per step: the comparison and bootstrap read their seeds without it."""
     seed, steps = config["seed"], step_count(config["train_prompts"], config["prompts_per_step"])
     return {"run": seed, "rollout": [rollout_seed(seed, s) for s in range(steps)],
             "refill": f"run seed + step + {REFILL_SEED_OFFSET:,} x round (round >= 1)",
-            "eval": eval_seed(seed), "bootstrap": seed,
+            "eval": eval_seed(seed), "bootstrap": bootstrap_seed(config),
             "per_prompt": "prompt_seed(round or eval seed, prompt index) = first 63 bits of "
                           "sha256('<seed>|<index>'), the index in the train or eval set"}
 
@@ -223,7 +228,7 @@ def comparison_section(eval_records: list[dict], config: dict, verifier_errors: 
 
 def bootstrap_settings(config: dict) -> dict:
     """The paired bootstrap of the eval and guard comparisons: resamples, seed, confidence."""
-    return {"resamples": BOOTSTRAP_RESAMPLES, "seed": config["seed"],  # as seeds() records
+    return {"resamples": BOOTSTRAP_RESAMPLES, "seed": bootstrap_seed(config),
             "confidence": CONFIDENCE}
 
 

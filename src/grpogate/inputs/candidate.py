@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpogate.errors import InputError
+from grpogate.errors import InputError, first_line
 from grpogate.files import ADAPTER_WEIGHTS, policy_version, read_safetensors, safetensors_sha256
 from grpogate.inputs.policy import (TRAINABLE, Policy, adapter_state, check_adapter_dir,
                                     current_version)
@@ -28,8 +28,8 @@ def attach_candidate(policy: Policy, adapter_dir: str | Path) -> str:
         model.delete_adapter(TRAINABLE)
         model.load_adapter(adapter_dir, adapter_name=TRAINABLE, is_trainable=False)
     except (RuntimeError, ValueError, KeyError, TypeError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise InputError(f"{adapter_dir}: does not load onto this base model ({first})") from None
+        raise InputError(f"{adapter_dir}: does not load onto this base model "
+                         f"({first_line(error)})") from None
     model.peft_config[TRAINABLE].base_model_name_or_path = policy.base.load_dir
     model.set_adapter(TRAINABLE)
     # PEFT ignores tensors its target_modules do not name: the hash would cover unused ones.

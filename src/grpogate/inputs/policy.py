@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpogate.config import BUNDLED_MODEL, RunConfig
-from grpogate.errors import InputError
+from grpogate.errors import InputError, first_line
 from grpogate.inputs.model_cache import dequantized_cache
 from grpogate.files import (ADAPTER_WEIGHTS, policy_version, read_safetensors,  # noqa: F401
                             sha256_path, tensors_digest)
@@ -206,7 +206,7 @@ def _attach_fresh_lora(model, config: RunConfig):
         return get_peft_model(model, _lora_config(config), adapter_name=TRAINABLE)
     except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
         raise InputError(f"config: lora_target_modules={config.lora_target_modules!r} "
-                         f"({_first_line(error)})") from None
+                         f"({first_line(error)})") from None
 
 
 def check_target_modules(load_dir: str, config: RunConfig) -> None:
@@ -222,10 +222,6 @@ def check_target_modules(load_dir: str, config: RunConfig) -> None:
     _attach_fresh_lora(model, config)
 
 
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
 def _load_baseline_adapter(model, adapter_dir: Path, base_dir: str):
     """Both copies of the baseline adapter (trainable and frozen reference); InputError when
     it does not fit the model or would load only partly."""
@@ -239,7 +235,7 @@ def _load_baseline_adapter(model, adapter_dir: Path, base_dir: str):
         # size mismatch (an adapter of another base shape), unknown target modules, a config
         # PEFT cannot read: all are this adapter's fault, none a grpogate bug.
         raise InputError(f"{adapter_dir}: does not load onto this base model "
-                         f"({_first_line(error)})") from None
+                         f"({first_line(error)})") from None
     # A delivered adapter names its base by public id; in memory it is the base loaded here,
     # or PEFT would ask the hub about that id whenever it reads the adapter's state.
     for adapter_config in model.peft_config.values():

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from grpogate.config import BUNDLED_MODEL, resume_config
-from grpogate.errors import InputError
+from grpogate.errors import InputError, first_line
 from grpogate.evidence.assemble import library_versions
 from grpogate.evidence.audit import reload_problem_sets
 from grpogate.files import ADAPTER_WEIGHTS, parse_json, read_jsonl
@@ -158,7 +158,7 @@ def _delivered_policy(run_dir: Path, evidence: dict, config):
         policy = load_policy(recorded, adapter=adapter, seed=config.seed)
     except Exception as error:  # a recorded model that does not load is this input's fault
         detail = (str(error) if isinstance(error, InputError) else
-                  f"does not load ({type(error).__name__}: {_first_line(error)})")
+                  f"does not load ({type(error).__name__}: {first_line(error)})")
         named = f" with inputs.baseline_adapter.path {adapter}" if adapter else ""
         raise InputError(f"{run_dir}/evidence.json: --replay of field {field} {spec}{named}: "
                          f"{detail}") from None
@@ -169,7 +169,7 @@ def _delivered_policy(run_dir: Path, evidence: dict, config):
         raise
     except Exception as error:  # the delivered adapter is the run directory's data
         raise InputError(f"{artifact}/{ADAPTER_WEIGHTS}: does not load onto the recorded model "
-                         f"({type(error).__name__}: {_first_line(error)})") from None
+                         f"({type(error).__name__}: {first_line(error)})") from None
 
 
 def _with_delivered_adapter(policy, run_dir: Path, artifact: Path, evidence: dict):
@@ -192,10 +192,6 @@ def _with_delivered_adapter(policy, run_dir: Path, artifact: Path, evidence: dic
         raise InputError(f"{run_dir}: the delivered adapter loads as policy {version}, not the "
                          f"recorded {evidence['artifact']['new_policy_version']}")
     return policy
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def apply_replay(audit: dict, replayed: dict) -> dict:
