@@ -23,7 +23,7 @@ from synthetic_run import write_synthetic_run
 from typer.testing import CliRunner
 
 from grpogate.cli import app
-from grpogate.evidence import assemble, audit, audit_files
+from grpogate.evidence import assemble, audit, audit_files, manifest
 from grpogate.evidence.assemble import bootstrap_settings, skipped_comparison
 from grpogate.evidence.audit_bounds import MAX_LISTED_MISMATCHES, BoundedAudit, mismatches_found
 from grpogate.evidence.audit_files import Audit, numbered_jsonl
@@ -223,3 +223,23 @@ def test_mismatches_past_the_listed_ones_are_counted_not_kept():
     # A replay or a signature appends its mismatches to the list: the count follows the list
     # (it once stayed at an audit's stored figure and printed "0 mismatch(es)").
     assert mismatches_found(few.mismatches + [{"field": "replay", "recorded": 1}]) == (2, 2)
+
+
+# --- each file is hashed once -------------------------------------------------------------------
+
+def test_one_decide_hashes_each_file_once(run_dir, monkeypatch):
+    """The manifest's summary is rebuilt from the files listed, not hashed again, and a file
+    named twice (listed, and in manifest.trajectory_identity) is hashed once: from the bytes
+    parsed (sha256_bytes) or streamed (sha256_confined), one hash per file the manifest pins.
+    (The adapter's tensors digest, its policy version, is another hash, taken apart.)"""
+    from_bytes = counting(monkeypatch, audit_files, "sha256_bytes")
+    streamed = counting(monkeypatch, audit_files, "sha256_confined")
+    rehashed = counting(monkeypatch, manifest, "sha256_path")
+    result = CliRunner().invoke(app, ["decide", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    pinned = json.loads((run_dir / "manifest.json").read_text())["files"]
+    assert len(pinned) == 6  # 4 run files (guard off, no trainer log) + the adapter's 2
+    assert rehashed == [] and len(from_bytes) + len(streamed) == len(pinned)
+    assert {(Path(root) / name).resolve() for root, name, _ in streamed} == {
+        (run_dir / name).resolve() for name in (
+            "problems.jsonl", "adapter/adapter_config.json", "adapter/adapter_model.safetensors")}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from test_hostile_run_dir import edit_json, error_line, grpogate
 from grpogate.evidence import audit_files
 from grpogate.evidence.audit import audit_run
 from grpogate.errors import InputError
-from grpogate.files import FileTooLarge, read_safetensors, safetensors_sha256
+from grpogate.files import (FileTooLarge, read_safetensors, safetensors_names,
+                            safetensors_sha256)
 
 GiB = 1 << 30
 BIG = "9" * 5000  # past Python's 4300-digit limit on converting a decimal integer
@@ -276,6 +278,20 @@ def test_the_streamed_weights_hash_is_the_adapter_identity_rule(tmp_path):
     assert safetensors_sha256(path) == digest.hexdigest()
     assert {name: bytes(data) for name, (_, _, data) in read_safetensors(path).items()} == {
         name: struct.pack("<2f", *values) for name, values in SYNTHETIC_ADAPTER.items()}
+
+
+def test_tensor_names_are_read_from_the_header_alone(tmp_path):
+    path = tmp_path / "w.safetensors"
+    write_weights(path, {"a": (0, GiB), "b": (GiB, 2 * GiB)}, 2 * GiB)  # 2 GiB of sparse tensors
+    tracemalloc.start()
+    try:
+        names = safetensors_names(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert names == {"a", "b"} and peak < 1 << 20  # the header's bytes, not the 2 GiB after it
+    path.write_bytes(safetensors_bytes(SYNTHETIC_ADAPTER))
+    assert safetensors_names(path) == set(read_safetensors(path))
 
 
 def test_a_weights_path_that_cannot_be_opened_is_bad_input_not_a_traceback(tmp_path):

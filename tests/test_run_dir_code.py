@@ -22,7 +22,7 @@ import pytest
 from synthetic_run import write_synthetic_run
 
 from grpogate.files import atomic_write_json
-from grpogate.inputs.rewards import load_user_reward, locate_module, user_reward_version
+from grpogate.inputs.rewards import load_user_reward, locate_module, user_reward_source
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 # Creates the file GRPOGATE_TEST_MARKER names, when (if ever) it runs.
@@ -62,6 +62,17 @@ def edit_evidence(run: Path, change) -> None:
 
 # --- --trust-reward-code: nothing in the run directory is imported to find the module -----------
 
+def record_reward(run: Path, name: str) -> None:
+    """The run's config and evidence name user reward `name` at the version of REWARD_SOURCE."""
+    version = f"{name}@sha256:{hashlib.sha256(REWARD_SOURCE.encode()).hexdigest()[:16]}"
+
+    def record(evidence):
+        evidence["config"]["rewards"] = [{"name": "correctness", "weight": 1.0},
+                                         {"name": name, "weight": 0.5}]
+        evidence["inputs"]["rewards"].append({"name": name, "weight": 0.5, "version": version})
+    edit_evidence(run, record)
+
+
 def planted_package(run: Path, module_file: Path | None = None) -> str:
     """evilpkg/ in the run: an __init__.py that marks, and mod.py (or a link to `module_file`).
     The run records reward evilpkg.mod:f at the version of that very source, so only where the
@@ -73,15 +84,8 @@ def planted_package(run: Path, module_file: Path | None = None) -> str:
         (package / "mod.py").write_text(REWARD_SOURCE)
     else:
         (package / "mod.py").symlink_to(module_file)
-    name = "evilpkg.mod:f"
-    version = f"{name}@sha256:{hashlib.sha256(REWARD_SOURCE.encode()).hexdigest()[:16]}"
-
-    def record(evidence):
-        evidence["config"]["rewards"] = [{"name": "correctness", "weight": 1.0},
-                                         {"name": name, "weight": 0.5}]
-        evidence["inputs"]["rewards"].append({"name": name, "weight": 0.5, "version": version})
-    edit_evidence(run, record)
-    return name
+    record_reward(run, "evilpkg.mod:f")
+    return "evilpkg.mod:f"
 
 
 @pytest.mark.parametrize("found_by", ["current directory", "PYTHONPATH"])
@@ -126,7 +130,7 @@ def test_a_module_is_located_and_versioned_without_importing_its_package(tmp_pat
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         assert locate_module("grpogate_locate_12.rewards").origin == str(package / "rewards.py")
-        version = user_reward_version("grpogate_locate_12.rewards:f")
+        version, _ = user_reward_source("grpogate_locate_12.rewards:f")
         assert version == ("grpogate_locate_12.rewards:f@sha256:"
                            + hashlib.sha256(REWARD_SOURCE.encode()).hexdigest()[:16])
         assert not marker.exists() and "grpogate_locate_12" not in sys.modules
@@ -156,6 +160,30 @@ def test_a_package_that_moves_its_path_is_not_loaded_as_the_versioned_module(tmp
     finally:
         for module in ("grpogate_moved_12", "grpogate_moved_12.rewards"):
             sys.modules.pop(module, None)
+
+
+def test_a_trusted_reward_is_located_once_per_audit(tmp_path, monkeypatch):
+    """Found, checked to lie outside the run, versioned and imported: one look-up in all, so
+    the file imported is the one checked (load_user_reward holds the import to it)."""
+    from grpogate.evidence.audit import audit_run
+    from grpogate.inputs import rewards
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "grpogate_once_12.py").write_text(REWARD_SOURCE)
+    run = write_synthetic_run(tmp_path)
+    name = "grpogate_once_12:f"
+    record_reward(run, name)
+    monkeypatch.syspath_prepend(str(code))
+    located, real = [], rewards.locate_module
+    monkeypatch.setattr(rewards, "locate_module",
+                        lambda module: located.append(module) or real(module))
+    try:
+        audit = audit_run(run, trusted_rewards=[name])
+    finally:
+        sys.modules.pop("grpogate_once_12", None)
+    assert located == ["grpogate_once_12"]
+    assert audit["rescoring"]["components_rescored"] == ["correctness", name]
 
 
 # --- --replay: the recorded model runs no code and is the user's own ----------------------------

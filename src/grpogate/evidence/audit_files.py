@@ -11,7 +11,6 @@ past a limit is FileTooLarge (exit 2), never a mismatch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -21,7 +20,7 @@ from grpogate.errors import InputError
 from grpogate.evidence.manifest import PROBLEMS_FILE, RUN_FILES, build_manifest, trace_ids_sha256
 from grpogate.files import (ADAPTER_WEIGHTS, MAX_FILE_BYTES, FileTooLarge, confined_file,
                             jsonl_lines, parse_json, policy_version, read_confined, refuse_larger,
-                            safetensors_sha256, sha256_confined)
+                            safetensors_sha256, sha256_bytes, sha256_confined, tolerated)
 from grpogate.files.tensors import MAX_SAFETENSORS_BYTES, safetensors_size
 from grpogate.inputs.tasks import stored_sets
 
@@ -29,8 +28,8 @@ FLOAT_TOLERANCE = 1e-9
 # A run's manifest (build_manifest) lists RUN_FILES (6) and its adapter folder's files (3 for
 # grpogate's adapter; a gated TRL run's copies its adapter config and weights): under 20.
 MAX_MANIFEST_FILES = 1000
-# All the distinct files an audit hashes (build_manifest hashes them again): the adapter weights
-# at their cap, and twice MAX_FILE_BYTES for the rest (a real run's are a few MB in all).
+# All the distinct files an audit hashes, each once: the adapter weights at their cap, and twice
+# MAX_FILE_BYTES for the rest (a real run's are a few MB in all).
 MAX_HASHED_BYTES = MAX_SAFETENSORS_BYTES + 2 * MAX_FILE_BYTES
 
 
@@ -44,7 +43,7 @@ class Audit:
     def __init__(self) -> None:
         self.mismatches: list[dict[str, Any]] = []
         self.parsed: dict[Path, bytes] = {}
-        self.hashed: dict[Path, str] = {}  # by resolved path: a file named twice is hashed once
+        self.hashed: dict[Path, str] = {}  # by path: a file named twice is hashed once
         self.limits: dict[Path, int] = {}  # the most records a JSONL file may hold
 
     def limit_records(self, run_dir: Path, limits: dict[str, int]) -> None:
@@ -61,17 +60,15 @@ class Audit:
         self.parsed[path] = data
         return data
 
-    def sha256(self, run_dir: Path, name: str) -> str:
+    def sha256(self, run_dir: Path, name: str, weights: str | None = None) -> str:
         """The hash of the bytes parsed from run_dir/name, or of the file (read_confined's
-        rules, within MAX_FILE_BYTES, or MAX_SAFETENSORS_BYTES for a safetensors file) when the
-        audit does not parse it, once per file; InputError as confined_file raises it."""
+        rules, within hash_limit(name, weights)) when the audit does not parse it, taken once
+        per file (by the path parsed, else resolved); InputError as confined_file raises it."""
         kept = self.parsed.get(run_dir / name)
-        if kept is not None:
-            return hashlib.sha256(kept).hexdigest()
-        path = confined_file(run_dir, name)
+        path = run_dir / name if kept is not None else confined_file(run_dir, name)
         if path not in self.hashed:
-            limit = MAX_SAFETENSORS_BYTES if name.endswith(".safetensors") else MAX_FILE_BYTES
-            self.hashed[path] = sha256_confined(run_dir, name, limit)
+            self.hashed[path] = (sha256_bytes(kept) if kept is not None
+                                 else sha256_confined(run_dir, name, hash_limit(name, weights)))
         return self.hashed[path]
 
     def mismatch(self, field: str, recorded: Any = None, recomputed: Any = None) -> None:
@@ -95,6 +92,13 @@ class Audit:
                 self.compare(f"{field}[{index}]", old, new)
         elif not same_value(recorded, recomputed):
             self.mismatch(field, recorded, recomputed)
+
+
+def hash_limit(name: str, weights: str | None) -> int:
+    """The most bytes of run file `name` the audit hashes: MAX_SAFETENSORS_BYTES for the
+    adapter weights (named `weights`), MAX_FILE_BYTES for any other file. Chosen here alone,
+    for the budget taken before anything is hashed (_bound_hashing) and for each hash."""
+    return MAX_SAFETENSORS_BYTES if name == weights else MAX_FILE_BYTES
 
 
 def same_value(recorded: Any, recomputed: Any) -> bool:
@@ -139,15 +143,12 @@ def numbered_jsonl(path: Path, audit: Audit) -> list[tuple[int, dict]]:
     """(1-based line number, record) for every non-blank line; bad lines become mismatches.
     FileTooLarge, before a line is parsed, for a file past its bytes or lines (bounds.py) or
     with more non-blank lines (each a record or a mismatch) than `audit.limits` allows it."""
-    try:
+    with tolerated(InputError, UnicodeDecodeError) as failed:
         lines = jsonl_lines(audit.read(path), str(path))
-    except FileTooLarge:
-        raise
-    except InputError as error:
-        audit.mismatch(f"{path.name} ({str(error).removeprefix(path.name + ': ')})")
-        return []
-    except UnicodeDecodeError:
-        audit.mismatch(f"{path.name} (not UTF-8 text)")
+    if failed.error:
+        reason = ("not UTF-8 text" if isinstance(failed.error, UnicodeDecodeError)
+                  else str(failed.error).removeprefix(path.name + ": "))
+        audit.mismatch(f"{path.name} ({reason})")
         return []
     limit = audit.limits.get(path)
     if limit is not None and (count := sum(1 for line in lines if line.strip())) > limit:
@@ -203,7 +204,7 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
         on_disk += [f"{adapter_path}/{p.name}" for p in sorted((run_dir / adapter_path).glob("*"))]
     weights = f"{adapter_path}/{ADAPTER_WEIGHTS}" if adapter_path else None
     _bound_hashing(run_dir, [weights, *on_disk, *files], weights)
-    _check_listed(audit, run_dir, files)
+    _check_listed(audit, run_dir, files, weights)
     for name in on_disk:
         if name not in files:
             audit.mismatch(f"files.{name} (not recorded in the manifest)")
@@ -216,11 +217,11 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
         "evidence_sha256": file_sha(audit, run_dir, "evidence.json")})
 
     audit.compare("artifact.sha256", (evidence.get("artifact") or {}).get("sha256"),
-                  file_sha(audit, run_dir, f"{adapter_path}/{ADAPTER_WEIGHTS}")
-                  if adapter_path else None)
-    # The rest of the manifest is a summary of the evidence: rebuild it and compare.
+                  file_sha(audit, run_dir, weights, weights) if weights else None)
+    # The rest of the manifest is a summary of the evidence: rebuild it, listing the files
+    # without hashing them again (each was hashed once above), and compare.
     try:
-        rebuilt = build_manifest(evidence, run_dir, trajectories)
+        rebuilt = build_manifest(evidence, run_dir, trajectories, hashed=False)
     except (KeyError, TypeError) as error:
         audit.mismatch(f"manifest (cannot be rebuilt from the evidence: missing {error})")
         return
@@ -250,34 +251,29 @@ def _bound_hashing(run_dir: Path, names: list, weights: str | None) -> None:
             continue
         size = None
         if name == weights:
-            try:
-                size = safetensors_size(path)
-            except FileTooLarge:
-                raise
-            except (InputError, OSError):
-                pass  # malformed: bounded by its size below, named by anchored_versions
+            with tolerated(InputError, OSError):  # malformed: bounded by its size below,
+                size = safetensors_size(path)  # named by anchored_versions
         if size is None:
-            limit = MAX_SAFETENSORS_BYTES if name == weights else MAX_FILE_BYTES
-            size = refuse_larger(f"{run_dir}/{name}", path.stat().st_size, limit, "a run file")
+            size = refuse_larger(f"{run_dir}/{name}", path.stat().st_size,
+                                 hash_limit(name, weights), "a run file")
         sizes[path] = size
     refuse_larger(run_dir, sum(sizes.values()), MAX_HASHED_BYTES,
                   "the files an audit hashes in all")
 
 
-def _check_listed(audit: Audit, run_dir: Path, files: dict) -> None:
-    """Each listed file's hash; a name not in normal form, or that is not a regular file inside
-    the run, is flagged and never read."""
+def _check_listed(audit: Audit, run_dir: Path, files: dict, weights: str | None) -> None:
+    """Each listed file's hash (the adapter `weights` within their own limit); a name not in
+    normal form, or that is not a regular file inside the run, is flagged and never read."""
     for name, recorded in files.items():
         if not normal_name(name):
             audit.mismatch(f"files.{name} (not a relative path in normal form; not read)",
                            recorded)
             continue
-        try:
-            digest = audit.sha256(run_dir, name)
-        except FileTooLarge:
-            raise
-        except InputError as error:  # flagged, and never read
-            audit.mismatch(f"files.{name} ({str(error).removeprefix(f'{name}: ')})", recorded)
+        with tolerated() as failed:
+            digest = audit.sha256(run_dir, name, weights)
+        if failed.error:  # flagged, and never read
+            audit.mismatch(f"files.{name} ({str(failed.error).removeprefix(f'{name}: ')})",
+                           recorded)
             continue
         if digest != recorded:
             audit.mismatch(f"files.{name} sha256", recorded, digest)
@@ -336,17 +332,14 @@ def anchored_versions(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, 
 def _version_of(audit: Audit, base: Any, weights: Path, field: str, recorded: Any) -> Any:
     """The policy version of `base` + the adapter tensors in `weights`; an unreadable file is a
     mismatch named `field` and the recorded version stands (so it is not reported twice)."""
-    try:
+    with tolerated() as failed:
         return policy_version(base, safetensors_sha256(weights))
-    except FileTooLarge:
-        raise
-    except InputError as error:
-        audit.mismatch(f"{field}: {error})")
-        return recorded
+    audit.mismatch(f"{field}: {failed.error})")
+    return recorded
 
 
-def file_sha(audit: Audit, run_dir: Path, name: str) -> str | None:
-    return audit.sha256(run_dir, name) if confined(run_dir, name) else None
+def file_sha(audit: Audit, run_dir: Path, name: str, weights: str | None = None) -> str | None:
+    return audit.sha256(run_dir, name, weights) if confined(run_dir, name) else None
 
 
 def confined(run_dir: Path, name: str) -> Path | None:

@@ -27,7 +27,7 @@ from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
 from grpogate.evidence.audit_bounds import BoundedAudit
 from grpogate.evidence.rescore import record_limits
 from grpogate.evidence.trainer_log import assemble_foreign_evidence, foreign_facts
-from grpogate.files import FileTooLarge, parse_json, read_confined
+from grpogate.files import parse_json, read_confined, tolerated
 from grpogate.inputs.tasks import problem_set_hash, stored_sets
 
 TRAINER_STATE_FILE = "trainer_state.json"  # the foreign log, copied byte for byte into the run
@@ -54,12 +54,11 @@ def audit_any(run_dir: str | Path, **options) -> dict[str, Any]:
 
 
 def _stored_log(audit: Audit, run_dir: Path, evidence: dict) -> dict | None:
-    try:  # read_object opens only a regular file inside the run (read_confined)
+    with tolerated() as failed:  # read_object opens only a regular file inside the run
         state = read_object(run_dir / TRAINER_STATE_FILE, audit)
-    except FileTooLarge:  # past a size no real run writes: not a run (exit 2)
-        raise
-    except InputError as error:  # flagged, and never read
-        audit.mismatch(f"{TRAINER_STATE_FILE} ({str(error).removeprefix(TRAINER_STATE_FILE + ': ')})")
+    if failed.error:  # flagged, and never read
+        reason = str(failed.error).removeprefix(TRAINER_STATE_FILE + ": ")
+        audit.mismatch(f"{TRAINER_STATE_FILE} ({reason})")
         return None
     audit.compare("foreign.trainer_state_sha256", evidence["foreign"].get("trainer_state_sha256"),
                   audit.sha256(run_dir, TRAINER_STATE_FILE))  # of the bytes just parsed

@@ -24,17 +24,20 @@ def trace_ids_sha256(trace_ids: list[str]) -> str:
     return sha256_bytes("\n".join(trace_ids).encode())
 
 
-def build_manifest(evidence: dict, run_dir: Path, trajectories: list[dict]) -> dict:
+def build_manifest(evidence: dict, run_dir: Path, trajectories: list[dict], *,
+                   hashed: bool = True) -> dict:
     """Summarize the run and pin every file by hash; call after all other files are final.
     Only regular files inside the run directory are read (the audit rebuilds a manifest from a
-    directory someone else wrote)."""
+    directory someone else wrote). `hashed=False` lists the files without reading them (each
+    hash None): the audit compares the summary alone, having hashed each file once itself."""
     adapter_dir = run_dir / evidence["artifact"]["path"]
     names = [*RUN_FILES, *(f"{evidence['artifact']['path']}/{file.name}" for file in
                            (sorted(adapter_dir.glob("*")) if adapter_dir.is_dir() else []))]
     files = {}
     for name in names:
         try:
-            files[name] = sha256_path(confined_file(run_dir, name))
+            path = confined_file(run_dir, name)
+            files[name] = sha256_path(path) if hashed else None
         except InputError:
             continue  # absent, or not a file of the run: not pinned (the audit names it)
     comparison = evidence["comparison"]

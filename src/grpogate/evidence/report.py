@@ -22,7 +22,7 @@ from grpogate.evidence.decisions import gain_rule
 from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.evidence.report_html import _STYLE, _e, _fmt, _h2, _img, _table
 from grpogate.evidence.report_figures import paired_prompts, render_all, stage_seconds
-from grpogate.files import FileTooLarge, atomic_write_bytes, jsonl_lines, parse_json, read_confined
+from grpogate.files import atomic_write_bytes, jsonl_lines, parse_json, read_confined, tolerated
 
 REPORT_HTML = "report.html"
 FIGURE_NAMES = ("stages", "steps", "lengths", "per_prompt", "intervals")
@@ -404,15 +404,12 @@ def render_html(evidence: dict, manifest: dict, pngs: dict[str, bytes], run_dir:
 def _read_jsonl(path: Path) -> list[dict]:
     """Records of an optional JSONL file; a missing or unreadable one is empty (the report still
     renders from the evidence; `grpogate decide` judges the files), one too large is refused."""
-    try:
+    with tolerated(InputError, OSError, UnicodeDecodeError, json.JSONDecodeError):
         lines = jsonl_lines(read_confined(path.parent, path.name), str(path))
         return [record for record in (parse_json(line, f"{path}:{number}")
                                       for number, line in enumerate(lines, 1) if line.strip())
                 if isinstance(record, dict)]
-    except FileTooLarge:
-        raise
-    except (InputError, OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return []
+    return []
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -432,13 +429,11 @@ def write_report(run_dir: str | Path) -> Path:
         raise InputError(f"{run_dir}/evidence.json: not valid JSON: {error}") from None
     if not isinstance(evidence, dict):
         raise InputError(f"{run_dir}/evidence.json: not a JSON object")
-    try:  # the manifest only adds file hashes; a run without one still gets its report
+    manifest = {}
+    # The manifest only adds file hashes; a run without one still gets its report.
+    with tolerated(InputError, json.JSONDecodeError, UnicodeDecodeError):
         manifest = parse_json(read_confined(run_dir, "manifest.json").decode("utf-8"),
                               f"{run_dir}/manifest.json")
-    except FileTooLarge:
-        raise
-    except (InputError, json.JSONDecodeError, UnicodeDecodeError):
-        manifest = {}
     manifest = manifest if isinstance(manifest, dict) else {}
     problems = {str(p.get("prompt_id")): p for p in _read_jsonl(run_dir / PROBLEMS_FILE)}
     eval_records, pngs = _read_jsonl(run_dir / "eval_completions.jsonl"), render_all(evidence)

@@ -29,7 +29,7 @@ from grpogate.errors import InputError
 from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
 from grpogate.inputs.rewards import (CORRECTNESS, TRL_SIGNATURE_SUFFIX, RewardSet,
                                      reward_set_from_config,
-                                     user_reward_names, user_reward_origin, user_reward_version)
+                                     user_reward_names, user_reward_source)
 from grpogate.inputs.verifiers import MATH_VERIFY
 
 # Typical seconds per re-scored record of the verifiers whose cost is worth saying: math-verify
@@ -163,23 +163,20 @@ def audit_reward_set(audit, evidence: dict, verifier, run_dir: Path,
                      trusted: list[str]) -> RewardSet | None:
     """The run's reward set as the audit may use it: built-ins re-scored, user components taken
     as recorded except those the user trusts (named, importable outside the run directory, and
-    of the recorded version, checked before the module is imported). InputError for a trusted
-    name the run does not record or that cannot be found; a version that differs is a mismatch."""
+    of the recorded version, checked before the module is imported; each located once, and
+    imported from the file checked). InputError for a trusted name the run does not record or
+    that cannot be found; a version that differs is a mismatch."""
     config = evidence["config"]
     recorded = {entry.get("name"): entry.get("version")
                 for entry in evidence["inputs"].get("rewards") or [] if isinstance(entry, dict)}
     user = user_reward_names(config.get("rewards") or [])
-    importable = []
+    located = {}  # name -> (version, file): each module located once, imported from that file
     for name in trusted:
         if name not in user:
             raise InputError(f"--trust-reward-code {name}: the run records no such reward "
                              f"component (its user components: {', '.join(user) or 'none'})")
-        origin = user_reward_origin(name)
-        if origin and Path(origin).resolve().is_relative_to(run_dir.resolve()):
-            raise InputError(f"--trust-reward-code {name}: the module would be imported from "
-                             "inside the run directory; trusted code must be your own")
         try:
-            version = user_reward_version(name)
+            version, file = user_reward_source(name, run_dir)
         except ValueError as error:
             raise InputError(f"--trust-reward-code {name}: {error}") from None
         # A TRL-style function's recorded version carries a marker its signature adds on import.
@@ -188,10 +185,10 @@ def audit_reward_set(audit, evidence: dict, verifier, run_dir: Path,
                            "the run recorded; its values are taken as recorded)",
                            recorded.get(name), version)
         else:
-            importable.append(name)
+            located[name] = (version, file)
     try:
-        reward_set = reward_set_from_config(config, verifier.version, importable=importable,
-                                            recorded_versions=recorded)
+        reward_set = reward_set_from_config(config, verifier.version, importable=list(located),
+                                            recorded_versions=recorded, located=located)
     except ValueError as error:
         audit.mismatch(f"config.rewards ({error})")
         return None

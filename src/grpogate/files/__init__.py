@@ -26,9 +26,9 @@ from pathlib import Path
 
 from grpogate.errors import InputError
 from grpogate.files.bounds import (  # noqa: F401  (the files API: bounds.py)
-    MAX_FILE_BYTES, MAX_JSONL_LINES, FileTooLarge, descriptor_size, refuse_larger)
+    MAX_FILE_BYTES, MAX_JSONL_LINES, FileTooLarge, descriptor_size, refuse_larger, tolerated)
 from grpogate.files.tensors import (  # noqa: F401  (the files API: tensors.py)
-    policy_version, read_safetensors, safetensors_sha256, tensors_digest)
+    policy_version, read_safetensors, safetensors_names, safetensors_sha256, tensors_digest)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the LoRA weights file of every adapter directory
 

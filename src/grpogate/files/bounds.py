@@ -3,15 +3,17 @@
 A limit is checked on the size of the open descriptor (os.fstat) before the first byte is
 read; a budget taken earlier from the path (the audit's hashing total) is a first check only,
 each file's own limit is checked again on its descriptor, so a file swapped in between is
-caught there. FileTooLarge is an
-InputError (exit 2, one line naming the file, its size and the limit) that no reader turns
-into a mismatch: a file past a size no real run writes makes the directory not a run. The
-adapter weights have their own rule, their header's (tensors.py).
+caught there. FileTooLarge is an InputError (exit 2, one line naming the file, its size and
+the limit) that no reader turns into a mismatch (`tolerated`): a file past a size no real run
+writes makes the directory not a run. The adapter weights have their own rule, their header's
+(tensors.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from dataclasses import dataclass
 
 from grpogate.errors import InputError
 
@@ -45,3 +47,25 @@ def refuse_larger(shown, size: int, limit: int, what: str, unit: str = "bytes") 
 def descriptor_size(descriptor: int, shown, limit: int, what: str) -> int:
     """The size of the file open as `descriptor` (fstat), within `limit` (refuse_larger)."""
     return refuse_larger(shown, os.fstat(descriptor).st_size, limit, what)
+
+
+@dataclass
+class Caught:
+    """What `tolerated` caught in its block: the error, None when the block ran through."""
+
+    error: Exception | None = None
+
+
+@contextlib.contextmanager
+def tolerated(*kinds: type[Exception]):
+    """Catch `kinds` (InputError when none are named) raised in the block into the yielded
+    Caught, for the caller to name as a mismatch or read as absent; never FileTooLarge. The
+    rule every reader of a stranger's file follows, written once: a file past its bounds is a
+    refusal (exit 2), any other input error is the file's own fault."""
+    caught = Caught()
+    try:
+        yield caught
+    except FileTooLarge:
+        raise
+    except (kinds or (InputError,)) as error:
+        caught.error = error

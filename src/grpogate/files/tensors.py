@@ -137,11 +137,22 @@ def read_safetensors(path: str | Path) -> dict[str, tuple[str, tuple[int, ...], 
             for name, (dtype, shape, begin, end) in tensors.items()}
 
 
+def _header(path: str | Path) -> tuple[int, int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
+    """`_layout` of the safetensors file at `path`, read from its header alone."""
+    with _open_regular(path) as stream:
+        return _layout(stream, path)
+
+
 def safetensors_size(path: str | Path) -> int:
     """The size of a safetensors file, which its header declares (`_layout`'s errors)."""
-    with _open_regular(path) as stream:
-        start, length, _ = _layout(stream, path)
+    start, length, _ = _header(path)
     return start + length
+
+
+def safetensors_names(path: str | Path) -> set[str]:
+    """The tensor names of a safetensors file, from its header alone (`_layout`'s errors): no
+    tensor byte is read, so listing an adapter costs its header, not its weights."""
+    return set(_header(path)[2])
 
 
 def _blocks(stream, path, begin: int, end: int):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpogate.errors import InputError, first_line
-from grpogate.files import ADAPTER_WEIGHTS, policy_version, read_safetensors, safetensors_sha256
+from grpogate.files import ADAPTER_WEIGHTS, policy_version, safetensors_names, safetensors_sha256
 from grpogate.inputs.policy import (TRAINABLE, Policy, adapter_state, check_adapter_dir,
                                     current_version)
 
@@ -33,7 +33,7 @@ def attach_candidate(policy: Policy, adapter_dir: str | Path) -> str:
     model.peft_config[TRAINABLE].base_model_name_or_path = policy.base.load_dir
     model.set_adapter(TRAINABLE)
     # PEFT ignores tensors its target_modules do not name: the hash would cover unused ones.
-    in_file = set(read_safetensors(adapter_dir / ADAPTER_WEIGHTS))
+    in_file = safetensors_names(adapter_dir / ADAPTER_WEIGHTS)
     loaded = set(adapter_state(model, TRAINABLE))
     if in_file != loaded:
         missing = sorted(in_file ^ loaded)[0]

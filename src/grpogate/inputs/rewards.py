@@ -48,7 +48,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Mapping
 
 from grpogate.config import BUILT_IN_REWARDS, MAX_REWARD_VALUE, USER_REWARD_PATH
 
@@ -176,8 +176,13 @@ def locate_module(module_name: str):
     return spec
 
 
-def _located_source(path: str) -> tuple[str, str]:
-    """(version, file) of a `module:function` path's module, located by `locate_module`."""
+def user_reward_source(path: str, run_dir: Path | None = None) -> tuple[str, str]:
+    """(version, file) of a `module:function` path's module: `module:function@sha256:<16 hex>`
+    of its source and the file that source is read from, the module located once by
+    `locate_module`, without running it or its parent packages (the audit compares the version
+    with the recorded one before it imports anything). ValueError when the module is not
+    found, when it would be imported from inside `run_dir` (checked before its source is read:
+    a run directory's code is never trusted), or when it has no source to version it by."""
     module_name = path.partition(":")[0]
     try:
         spec = locate_module(module_name)
@@ -186,6 +191,11 @@ def _located_source(path: str) -> tuple[str, str]:
     except Exception as error:  # a finder failing on the user's import path is their input error
         raise ValueError(f"cannot import module {module_name!r} ({type(error).__name__}: "
                          f"{error}); put it on PYTHONPATH") from None
+    origin = (spec.origin or "") if spec.has_location else ""
+    if run_dir is not None and origin and Path(origin).resolve().is_relative_to(
+            run_dir.resolve()):
+        raise ValueError("the module would be imported from inside the run directory; trusted "
+                         "code must be your own")
     if not spec.has_location or not spec.origin or not spec.origin.endswith(".py"):
         raise ValueError(f"module {module_name!r} has no readable source to version it by")
     # linecache is how inspect.getsource reads a module: the same text, so the same version.
@@ -196,30 +206,14 @@ def _located_source(path: str) -> tuple[str, str]:
     return f"{path}@sha256:{hashlib.sha256(source).hexdigest()[:16]}", spec.origin
 
 
-def user_reward_version(path: str) -> str:
-    """`module:function@sha256:<16 hex>` of the module's source, read without running the module
-    or its parent packages (`locate_module`): the audit compares it with the recorded version
-    before it imports anything. ValueError when the module or its source is not found."""
-    return _located_source(path)[0]
-
-
-def user_reward_origin(path: str) -> str:
-    """The file the module of `path` would be imported from ("" when not found), found without
-    importing anything (`locate_module`)."""
-    try:
-        spec = locate_module(path.partition(":")[0])
-    except Exception:  # reported by user_reward_version
-        return ""
-    return (spec.origin or "") if spec.has_location else ""
-
-
-def load_user_reward(path: str) -> tuple[Callable, str]:
+def load_user_reward(path: str, source: tuple[str, str] | None = None) -> tuple[Callable, str]:
     """(function, version) of a `module:function` path; the version pins the module's source by
-    sha256, so editing the function changes every trajectory's identity. ValueError when the
-    module or function cannot be found, or the import loads another file than the one versioned
-    (a parent package that changes its `__path__`). Imports (runs) the module: call it only for
-    a path the user named."""
-    version, versioned = _located_source(path)
+    sha256, so editing the function changes every trajectory's identity. `source`: its
+    (version, file) as `user_reward_source` already found them (not located again). ValueError
+    when the module or function cannot be found, or the import loads another file than the one
+    versioned (a parent package that changes its `__path__`). Imports (runs) the module: call
+    it only for a path the user named."""
+    version, versioned = source or user_reward_source(path)
     module_name, _, function_name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -334,11 +328,14 @@ class RewardSet:
 def build_reward_set(specs: list[dict], verifier_version: str, *, max_new_tokens: int,
                      overlong_buffer_len: int, overlong_penalty_factor: float,
                      user_time_limit_seconds: float, importable: Collection[str] | None = None,
-                     recorded_versions: dict | None = None) -> RewardSet:
+                     recorded_versions: dict | None = None,
+                     located: Mapping[str, tuple[str, str]] | None = None) -> RewardSet:
     """The RewardSet of validated `rewards` entries ({"name", "weight"}); no entries means
     correctness alone with weight 1. A user `module:function` is imported only when
-    `importable` is None (the caller's own config) or names it; any other is taken as recorded,
-    its version `recorded_versions[name]`. ValueError when a user function cannot be loaded."""
+    `importable` is None (the caller's own config) or names it, from the file `located[name]`
+    names when the caller has located it (`load_user_reward`'s `source`); any other is taken
+    as recorded, its version `recorded_versions[name]`. ValueError when a user function cannot
+    be loaded."""
     specs = specs or [{"name": CORRECTNESS, "weight": 1.0}]
     weights, versions, functions, as_recorded = {}, {}, {}, []
     for spec in specs:
@@ -357,7 +354,7 @@ def build_reward_set(specs: list[dict], verifier_version: str, *, max_new_tokens
                 tokens, max_new_tokens=max_new_tokens, buffer_len=overlong_buffer_len,
                 penalty_factor=overlong_penalty_factor)
         elif importable is None or name in importable:
-            functions[name], versions[name] = load_user_reward(name)
+            functions[name], versions[name] = load_user_reward(name, (located or {}).get(name))
             if trl_signature(functions[name]):
                 functions[name] = TrlStyleReward(functions[name])
                 versions[name] += TRL_SIGNATURE_SUFFIX
@@ -370,13 +367,15 @@ def build_reward_set(specs: list[dict], verifier_version: str, *, max_new_tokens
 
 def reward_set_from_config(config: dict, verifier_version: str, *,
                            importable: Collection[str] | None,
-                           recorded_versions: dict | None = None) -> RewardSet:
+                           recorded_versions: dict | None = None,
+                           located: Mapping[str, tuple[str, str]] | None = None) -> RewardSet:
     """The run's RewardSet from its (stored) configuration dict: the run and the audit both
-    build it here, so they score with the same functions. `importable`: see build_reward_set
-    (None only for a config the user gave; a run directory's config is data)."""
+    build it here, so they score with the same functions. `importable`, `located`: see
+    build_reward_set (`importable` None only for a config the user gave; a run directory's
+    config is data)."""
     return build_reward_set(
         config.get("rewards") or [], verifier_version, max_new_tokens=config["max_new_tokens"],
         overlong_buffer_len=config.get("overlong_buffer_len", 0),
         overlong_penalty_factor=config.get("overlong_penalty_factor", 1.0),
         user_time_limit_seconds=config.get("reward_time_limit_seconds", 1.0),
-        importable=importable, recorded_versions=recorded_versions)
+        importable=importable, recorded_versions=recorded_versions, located=located)
