@@ -9,7 +9,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen2ForCausalLM)
 
 from grpogate.sampling.decoding import LeanStepper, ModelStepper, shared_prefix_length
-from grpogate.sampling.scoring import LeanScorer, tiled_linear
+from grpogate.sampling.decoding import tiled_linear
+from grpogate.sampling.scoring import LeanScorer
 from grpogate.sampling.lean_weights import can_prepack, lean_decoder, linear, prepack
 from grpogate.inputs.policy import load_policy, sampling_weights
 from grpogate.sampling.rollout import SamplingSettings, generate_completions
@@ -141,6 +142,27 @@ def test_tiled_linear_gives_a_row_the_same_bits_in_any_batch(dtype):
                                                              else weight).float())
     torch.testing.assert_close(tiled_linear(rows[:40], weight, None, tile=32).float(), expected,
                                atol=0.05 if dtype == torch.bfloat16 else 1e-5, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_prefill_does_not_depend_on_the_prompts_beside_it(dtype):
+    """Prompts of one padded width are prefilled together (`forward_rows`): a prompt's first
+    logits are the same bits alone, second in a batch, and beside prompts of another width or
+    more prompts than one forward takes (its place in the batch and the batch's size vary)."""
+    model = tiny("llama").to(dtype)
+    decoder = lean_decoder(model)
+    prefix = list(range(1, 17))
+    mine = prefix + [30, 31, 32]
+    others = [prefix + [40 + i, 7] for i in range(20)] + [prefix + [50] * 19]
+
+    def first_logits(prompts, row):
+        logits = LeanStepper(decoder).prefill(prompts, 0, 2, 4, shared=16)
+        return logits[2 * row]
+
+    alone = first_logits([mine], 0)
+    for prompts, row in (([others[0], mine], 1), ([others[-1], mine, others[1]], 1),
+                         (others[:18] + [mine], 18)):
+        assert torch.equal(first_logits(prompts, row), alone)
 
 
 def test_float32_weights_are_never_prepacked():

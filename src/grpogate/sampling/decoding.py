@@ -14,6 +14,7 @@ the moment of the call:
 - grouped-query attention is batched matmuls (K/V never repeated per head, a prompt's keys
   read once per step for all its G rows),
 - the prompts' common prefix (system prompt, chat template) is prefilled once, at batch 1,
+  and the prompts' own tokens in batches whose products have one row count (`forward_rows`),
 - cos/sin tables come from the model's own rotary module, once per rollout,
 - on a CPU with oneDNN bfloat16 kernels, every weight is reordered once per rollout into the
   kernel's blocked layout ("prepacked"), so a decode step no longer reorders 270 MB of weights
@@ -184,6 +185,80 @@ def decoder_logits(decoder: LeanDecoder, hidden_last: torch.Tensor,
                   decoder.lm_head_bias)
 
 
+ROW_TILE = 128  # rows per matrix product of a batched prompt forward (`tiled_linear`)
+PROMPTS_PER_FORWARD = 16  # prompts of one padded width per batched forward
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 tile: int = ROW_TILE) -> torch.Tensor:
+    """`linear` on x's rows in products of exactly `tile` rows (the last one zero-padded).
+
+    The CPU's matmul kernels round a row differently at another row count (measured with
+    oneDNN's bfloat16 kernels: a row's result at 16 rows differs from the same row's at 48, 64
+    or 256), but at one row count a row's result depends neither on its place nor on the other
+    rows; so with every product `tile` rows, a row computes the same numbers in any batch."""
+    flat = x.reshape(-1, x.shape[-1])
+    count = flat.shape[0]
+    whole = count - count % tile
+    pieces = [linear(flat[i:i + tile], weight, bias) for i in range(0, whole, tile)]
+    if whole < count:  # only the last tile is copied, to be padded
+        last = torch.cat([flat[whole:], flat.new_zeros(tile - (count - whole), flat.shape[1])])
+        pieces.append(linear(last, weight, bias)[:count - whole])
+    out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def forward_rows(decoder: LeanDecoder, rows: list[list[int]], starts: list[int], cache,
+                 keep: bool = False, pad_id: int = 0, owner: torch.Tensor | None = None):
+    """Token rows through the decoder at once, every product in `tiled_linear`'s tiles: rows
+    padded to a WIDTH_BUCKET multiple (left with `keep`, else right), row r's first token at
+    position starts[r], attending to its `owner[r]`'s entry of `cache` (every row to the one
+    entry without `owner`) -> (hidden [n, W, D], with `keep` the cache extended by the rows'
+    own keys [n, Hkv, d, C], values [n, Hkv, C, d] and additive mask [n, C], else None).
+
+    Batched prompts' numbers depend on their padded width alone, not on which prompts share
+    the forward (the tiles above; attention is one product per row): the prefill of sampling
+    and the re-test's teacher-forced drift both run it."""
+    n = len(rows)
+    device = decoder.embed.device
+    width = round_up(max(len(r) for r in rows), WIDTH_BUCKET)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    real = torch.zeros((n, width), dtype=torch.long)
+    for row, tokens in enumerate(rows):
+        where = slice(width - len(tokens), width) if keep else slice(0, len(tokens))
+        ids[row, where] = torch.tensor(tokens, dtype=torch.long)
+        real[row, where] = 1
+    real = real.to(device)
+    offsets = (real.cumsum(-1) - 1).clamp(min=0) if keep else torch.arange(width, device=device)
+    cos, sin = decoder.rotary(decoder.embed[:1],
+                              torch.tensor(starts, device=device)[:, None] + offsets)
+
+    def earlier(tensor):
+        return tensor.expand(n, *tensor.shape[1:]) if owner is None else tensor[owner]
+
+    mask = causal_mask(real)  # [n, W, W]
+    if cache is not None:
+        mask = torch.cat([earlier(cache[2])[:, None].expand(-1, width, -1), mask], dim=-1)
+    keys, values = [], []
+
+    def attend(index, k, v):
+        k_t, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)
+        if cache is not None:
+            k_t = torch.cat([earlier(cache[0][index]), k_t], dim=-1)
+            v = torch.cat([earlier(cache[1][index]), v], dim=-2)
+        keys.append(k_t)
+        values.append(v)
+        return k_t, v
+
+    hidden = decoder_layers(decoder, F.embedding(ids.to(device), decoder.embed), cos[:, :, None],
+                            sin[:, :, None], mask, attend, tiled_linear)
+    if not keep:
+        return hidden, None
+    own_mask = torch.where(real.bool(), 0.0, MASKED)
+    return hidden, (keys, values, own_mask if cache is None else
+                    torch.cat([earlier(cache[2]), own_mask], dim=-1))
+
+
 def shared_prefix_length(prompts: list[list[int]]) -> int:
     """Tokens every prompt starts with, leaving each at least one token of its own; rounded
     down to WIDTH_BUCKET so that the prefix's matmuls keep known shapes."""
@@ -201,13 +276,14 @@ class LeanStepper:
     and values [n, Hkv, S, d] over the columns [shared prefix | the prompt's suffix,
     left-padded], S in all, with an additive mask [n, S] for the padding; and each row's own
     generated part, keys and values [N, Hkv, T, d]. The prefix the prompts have in common
-    (system prompt and chat template, typically) is computed once at batch 1; each prompt's
-    suffix, forwarded alone, attends to it (measured on the bench rollout: prefill 0.22 ->
-    0.15 s). A decode step attends a row to its prompt's part in one matrix product per
-    prompt (its G rows' queries against keys read once, `_step_attention`) and to its own
-    columns, one softmax over both. Reading the prompt's keys once per row, as a cache
-    repeated G times does, made attention and cache writes about 40 % of a decode step at
-    batch 64 (bf16 kernels: the prompt is 80 of 128 columns there).
+    (system prompt and chat template, typically) is computed once at batch 1 (measured on the
+    bench rollout: prefill 0.22 -> 0.15 s); the prompts' suffixes attend to it, forwarded
+    together by `forward_rows` (`_prefill_suffixes`). A decode step attends a row to its
+    prompt's part in one matrix product per prompt (its G rows' queries against keys read
+    once, `_step_attention`) and to its own columns, one softmax over both. Reading the
+    prompt's keys once per row, as a cache repeated G times does, made attention and cache
+    writes about 40 % of a decode step at batch 64 (bf16 kernels: the prompt is 80 of 128
+    columns there).
     Row r of the prefill's batch is slot r = prompt x G + sample; `slots` maps the rows still
     in the batch to theirs, since finished rows leave it (`select`).
     """
@@ -243,27 +319,14 @@ class LeanStepper:
                 (len(prompts) * group_size, dec.kv_heads, max_new_tokens, dec.head_dim),
                 (len(prompts) * group_size, dec.kv_heads, max_new_tokens, dec.head_dim)))
 
-        def store(index, k, v, start, members=slice(None)):  # k/v [1, T, Hkv, d] -> prompts
-            k_t, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)  # [1, Hkv, d, T], [1, Hkv, T, d]
-            end = start + k.shape[1]
-            self.prompt_keys[index][members, ..., start:end] = k_t
-            self.prompt_values[index][members, :, start:end] = v
-            return k_t, v
-
-        prefix = {}
-        if shared:
-            ids = torch.tensor([prompts[0][:shared]], device=device)
-            positions = torch.arange(shared, device=device)[None]
-
-            def attend_prefix(index, k, v):
-                prefix[index] = store(index, k, v, 0)
-                return prefix[index]
-
-            decoder_layers(dec, F.embedding(ids, dec.embed), self.cos[positions][:, :, None],
-                           self.sin[positions][:, :, None], causal_mask(torch.ones_like(ids)),
-                           attend_prefix)
+        prefix = None
+        if shared:  # keys [1, Hkv, d, shared], values [1, Hkv, shared, d] -> every prompt
+            prefix = forward_rows(dec, [prompts[0][:shared]], [0], None, keep=True)[1]
+            for index in range(len(dec.layers)):
+                self.prompt_keys[index][..., :shared] = prefix[0][index]
+                self.prompt_values[index][:, :, :shared] = prefix[1][index]
         suffix_mask, last_logits = self._prefill_suffixes(suffixes, pad_id, shared, width,
-                                                          prefix, store)
+                                                          prefix)
         self.prompt_mask = torch.full((len(prompts), span), MASKED, device=device)
         self.prompt_mask[:, :shared] = 0.0
         self.prompt_mask[:, shared:] = torch.where(suffix_mask.bool(), 0.0, MASKED)
@@ -274,38 +337,36 @@ class LeanStepper:
         self.slots = torch.arange(len(prompts) * group_size, device=device)
         return last_logits.repeat_interleave(group_size, dim=0)
 
-    def _prefill_suffixes(self, suffixes, pad_id, shared, width, prefix, store):
-        """Each prompt's own tokens, forwarded alone at their own padded width, its block flush
-        right in the prompt's W columns: -> (real-token mask [n, W], next-token logits [n, V]).
+    def _prefill_suffixes(self, suffixes, pad_id, shared, width, prefix):
+        """Each prompt's own tokens attending to the prefix, its block flush right in the
+        prompt's W columns: -> (real-token mask [n, W], next-token logits [n, V]).
 
-        Alone because a matmul's rows can round differently at another row count (measured:
-        1 ulp of a first token's log-prob between batch 1 and 2 on the CPU), and a prompt must
-        compute the same whatever batch or rank it lands in (world-size invariance)."""
+        Prompts of one padded width go through `forward_rows` together, PROMPTS_PER_FORWARD at
+        a time, so a prompt computes the same numbers whatever batch or rank it lands in
+        (world-size invariance) without a forward of its own (measured with bf16 kernels:
+        prefill of 64 prompts 2.4 -> 1.2 s, of 8 prompts 0.33 -> 0.22 s)."""
         dec = self.decoder
         device = dec.embed.device
         suffix_mask = torch.zeros((len(suffixes), width), dtype=torch.long, device=device)
-        logits = []
+        logits: list = [None] * len(suffixes)
+        widths: dict[int, list[int]] = {}
         for i, suffix in enumerate(suffixes):
-            ids, real = left_pad([suffix], pad_id, device)  # [1, w]
-            own = ids.shape[1]
-            suffix_mask[i, width - own:] = real[0]
-            start = shared + width - own
-
-            def attend(index, k, v, member=slice(i, i + 1), start=start):
-                k_t, v = store(index, k, v, start, member)
-                if not shared:
-                    return k_t, v
-                prefix_k, prefix_v = prefix[index]
-                return torch.cat([prefix_k, k_t], dim=-1), torch.cat([prefix_v, v], dim=-2)
-
-            positions = shared + (real.cumsum(-1) - 1).clamp(min=0)  # [1, w]
-            mask = torch.cat([torch.zeros((1, own, shared), device=device), causal_mask(real)],
-                             dim=-1)  # [1, w, shared + w]
-            hidden = decoder_layers(dec, F.embedding(ids, dec.embed),
-                                    self.cos[positions][:, :, None],
-                                    self.sin[positions][:, :, None], mask, attend)
-            logits.append(decoder_logits(dec, hidden[:, -1]))  # [1, V]
-        return suffix_mask, torch.cat(logits)
+            widths.setdefault(round_up(len(suffix), WIDTH_BUCKET), []).append(i)
+        for own, members in widths.items():
+            for first in range(0, len(members), PROMPTS_PER_FORWARD):
+                chunk = torch.tensor(members[first:first + PROMPTS_PER_FORWARD], device=device)
+                hidden, (keys, values, mask) = forward_rows(
+                    dec, [suffixes[i] for i in chunk.tolist()], [shared] * len(chunk), prefix,
+                    keep=True, pad_id=pad_id)
+                columns = slice(shared + width - own, shared + width)
+                for index in range(len(dec.layers)):
+                    self.prompt_keys[index][chunk, ..., columns] = keys[index][..., shared:]
+                    self.prompt_values[index][chunk, :, columns] = values[index][:, :, shared:]
+                suffix_mask[chunk, width - own:] = (mask[:, shared:] == 0).long()
+                for i, row in zip(chunk.tolist(), decoder_logits(dec, hidden[:, -1],
+                                                                 tiled_linear)):
+                    logits[i] = row
+        return suffix_mask, torch.stack(logits)
 
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor) -> torch.Tensor:
