@@ -9,7 +9,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen2ForCausalLM)
 
 from grpogate.sampling.decoding import LeanStepper, ModelStepper, shared_prefix_length
-from grpogate.sampling.decoding import tiled_linear
+from grpogate.sampling.layers import tiled_linear
 from grpogate.sampling.scoring import LeanScorer
 from grpogate.sampling.lean_weights import can_prepack, lean_decoder, linear, prepack
 from grpogate.inputs.policy import load_policy, sampling_weights

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from grpogate.sampling.decoding import (PROMPTS_PER_FORWARD, WIDTH_BUCKET, decoder_logits,
-                                       forward_rows, round_up, tiled_linear)
+from grpogate.sampling.layers import (PROMPTS_PER_FORWARD, WIDTH_BUCKET, decoder_logits,
+                                     forward_rows, round_up, tiled_linear)
 from grpogate.sampling.lean_weights import LeanDecoder
 
 
@@ -27,7 +27,7 @@ class LeanScorer:
     predicted by the prompt's last position): the model's forward on each whole sequence, with
     the LM head on those positions alone. A small forward costs what reading every weight
     costs, so up to PROMPTS_PER_FORWARD prompts of one padded shape go through one forward
-    (`decoding.forward_rows`, every matrix product in tiles of one row count) — so a prompt
+    (`layers.forward_rows`, every matrix product in tiles of one row count) — so a prompt
     computes the same numbers whichever prompts share its forward (a rank's shard and one
     process agree bit for bit; tested).
     """
