@@ -28,7 +28,7 @@ from grpogate.config import BUNDLED_MODEL, RunConfig
 from grpogate.errors import InputError, first_line
 from grpogate.inputs.model_cache import dequantized_cache
 from grpogate.files import (ADAPTER_WEIGHTS, policy_version, read_safetensors,  # noqa: F401
-                            sha256_path, tensors_digest)
+                            safetensors_names, sha256_path, tensors_digest)
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The bundled GGUF is a Q4_1 quantization of this Hugging Face model: an adapter trained on it
@@ -242,7 +242,7 @@ def _load_baseline_adapter(model, adapter_dir: Path, base_dir: str):
         adapter_config.base_model_name_or_path = base_dir
     # PEFT loads what adapter_config.json targets and silently ignores other tensors in the
     # file; the recorded hash would then cover tensors the policy never used.
-    in_file = set(read_safetensors(adapter_dir / ADAPTER_WEIGHTS))
+    in_file = safetensors_names(adapter_dir / ADAPTER_WEIGHTS)
     loaded = set(adapter_state(model, TRAINABLE))
     if in_file != loaded:
         ignored = sorted(in_file - loaded)
