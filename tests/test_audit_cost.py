@@ -227,6 +227,21 @@ def test_mismatches_past_the_listed_ones_are_counted_not_kept():
 
 # --- each file is hashed once -------------------------------------------------------------------
 
+def test_a_file_hashed_from_disk_then_parsed_is_hashed_as_parsed(tmp_path):
+    """The foreign audit hashes trainer_state.json from disk (the manifest's list) before it
+    parses it; the hash it then compares must be of the bytes parsed, so a file swapped between
+    the two reads is caught — not the earlier hash of the old file, kept by path."""
+    import hashlib
+
+    (tmp_path / "state.json").write_bytes(b'{"a": 1}')
+    audit = Audit()
+    first = audit.sha256(tmp_path, "state.json")
+    (tmp_path / "state.json").write_bytes(b'{"a": 2}')  # swapped after the first read
+    parsed = audit.read(tmp_path / "state.json")
+    assert first == hashlib.sha256(b'{"a": 1}').hexdigest()
+    assert audit.sha256(tmp_path, "state.json") == hashlib.sha256(parsed).hexdigest() != first
+
+
 def test_one_decide_hashes_each_file_once(run_dir, monkeypatch):
     """The manifest's summary is rebuilt from the files listed, not hashed again, and a file
     named twice (listed, and in manifest.trajectory_identity) is hashed once: from the bytes

@@ -43,7 +43,8 @@ class Audit:
     def __init__(self) -> None:
         self.mismatches: list[dict[str, Any]] = []
         self.parsed: dict[Path, bytes] = {}
-        self.hashed: dict[Path, str] = {}  # by path: a file named twice is hashed once
+        self.hashed: dict[Path, str] = {}  # by resolved path: a file named twice is hashed once
+        self.parsed_hashes: dict[Path, str] = {}  # of the bytes parsed, by the path they came from
         self.limits: dict[Path, int] = {}  # the most records a JSONL file may hold
 
     def limit_records(self, run_dir: Path, limits: dict[str, int]) -> None:
@@ -62,13 +63,18 @@ class Audit:
 
     def sha256(self, run_dir: Path, name: str, weights: str | None = None) -> str:
         """The hash of the bytes parsed from run_dir/name, or of the file (read_confined's
-        rules, within hash_limit(name, weights)) when the audit does not parse it, taken once
-        per file (by the path parsed, else resolved); InputError as confined_file raises it."""
+        rules, within hash_limit(name, weights)) when the audit does not parse it; each taken
+        once (the parsed bytes' by the path parsed, a file's by its resolved path, apart: a
+        file hashed from disk before it is parsed is hashed again, of the bytes parsed);
+        InputError as confined_file raises it."""
         kept = self.parsed.get(run_dir / name)
-        path = run_dir / name if kept is not None else confined_file(run_dir, name)
+        if kept is not None:
+            if run_dir / name not in self.parsed_hashes:
+                self.parsed_hashes[run_dir / name] = sha256_bytes(kept)
+            return self.parsed_hashes[run_dir / name]
+        path = confined_file(run_dir, name)
         if path not in self.hashed:
-            self.hashed[path] = (sha256_bytes(kept) if kept is not None
-                                 else sha256_confined(run_dir, name, hash_limit(name, weights)))
+            self.hashed[path] = sha256_confined(run_dir, name, hash_limit(name, weights))
         return self.hashed[path]
 
     def mismatch(self, field: str, recorded: Any = None, recomputed: Any = None) -> None:

@@ -37,12 +37,13 @@ NOT_CHECKABLE = ("the rollout figures come from the trainer's own log; with no s
 
 
 def is_foreign(run_dir: str | Path) -> bool:
-    """Whether the run directory's evidence says it is a gated foreign run (unreadable: no)."""
-    try:  # confined and bounded as every run-directory read (no FIFO wait, no deep nesting)
+    """Whether the run directory's evidence says it is a gated foreign run (unreadable: no;
+    too large: FileTooLarge, exit 2, as for every reader)."""
+    evidence = None
+    # confined and bounded as every run-directory read (no FIFO wait, no deep nesting)
+    with tolerated(InputError, OSError, UnicodeDecodeError, json.JSONDecodeError):
         evidence = parse_json(read_confined(run_dir, "evidence.json").decode("utf-8"),
                               "evidence.json")
-    except (InputError, OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
     return isinstance(evidence, dict) and isinstance(evidence.get("foreign"), dict)
 
 
