@@ -38,7 +38,8 @@ class TimedStepper:
         return out
 
     def prefill(self, prompts, pad_id, group_size, max_new_tokens, shared=None):
-        # The products a prefill runs: the shared prefix at batch 1, each prompt's padded suffix.
+        # The rows a prefill's products need: the shared prefix once, every prompt's padded
+        # suffix (the prefill runs them in tiles of 128 rows; the ideal counts the rows).
         from grpogate.sampling.decoding import WIDTH_BUCKET, round_up, shared_prefix_length
 
         shared = (shared_prefix_length(prompts) if shared is None

@@ -123,6 +123,17 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def chunks_by_shape(shapes: list) -> list[list[int]]:
+    """Indices of the items, grouped by equal shape (any hashable key) and cut into chunks of at
+    most PROMPTS_PER_FORWARD: the batches `forward_rows` computes without one item's numbers
+    depending on another's."""
+    groups: dict = {}
+    for index, shape in enumerate(shapes):
+        groups.setdefault(shape, []).append(index)
+    return [members[first:first + PROMPTS_PER_FORWARD] for members in groups.values()
+            for first in range(0, len(members), PROMPTS_PER_FORWARD)]
+
+
 def forward_rows(decoder: LeanDecoder, rows: list[list[int]], starts: list[int], cache,
                  keep: bool = False, pad_id: int = 0, owner: torch.Tensor | None = None):
     """Token rows through the decoder at once, every product in `tiled_linear`'s tiles: rows

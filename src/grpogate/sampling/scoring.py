@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from grpogate.sampling.layers import (PROMPTS_PER_FORWARD, WIDTH_BUCKET, decoder_logits,
+from grpogate.sampling.layers import (WIDTH_BUCKET, chunks_by_shape, decoder_logits,
                                      forward_rows, round_up, tiled_linear)
 from grpogate.sampling.lean_weights import LeanDecoder
 
@@ -43,17 +43,14 @@ class LeanScorer:
               ) -> list[list[torch.Tensor]]:
         """[(a prompt's tokens after the prefix (at least one), its completions)] -> per prompt,
         one [len(completion), V] tensor of next-token logits per completion."""
-        shapes: dict[tuple[int, int], list[int]] = {}
-        for index, (suffix, completions) in enumerate(groups):
-            width = round_up(max([len(c) - 1 for c in completions] + [1]), WIDTH_BUCKET)
-            shapes.setdefault((round_up(len(suffix), WIDTH_BUCKET), width), []).append(index)
+        shapes = [(round_up(len(suffix), WIDTH_BUCKET),
+                   round_up(max([len(c) - 1 for c in completions] + [1]), WIDTH_BUCKET))
+                  for suffix, completions in groups]
         results: list = [None] * len(groups)
-        for members in shapes.values():
-            for start in range(0, len(members), PROMPTS_PER_FORWARD):
-                chunk = members[start:start + PROMPTS_PER_FORWARD]
-                scored = self._score_alike([groups[i] for i in chunk], pad_id)
-                for index, logits in zip(chunk, scored):
-                    results[index] = logits
+        for chunk in chunks_by_shape(shapes):
+            for index, logits in zip(chunk, self._score_alike([groups[i] for i in chunk],
+                                                              pad_id)):
+                results[index] = logits
         return results
 
     def _score_alike(self, groups: list, pad_id: int) -> list[list[torch.Tensor]]:
