@@ -2,8 +2,10 @@
 
     python bench/decode_paths.py [--rounds 3] [--paths lean,lean-plain,model] [--prompts 8] ...
 
-Paths: `lean` (decoding.LeanStepper, weights prepacked where the CPU allows), `lean-plain` (the
-same without prepacking) and `model` (decoding.ModelStepper, the model's own forward), on the
+Paths: `lean` (decoding.LeanStepper, weights prepacked where the CPU allows, the native kernels
+where they build), `lean-torch` (the same with torch's operations around the products),
+`lean-plain` (that without prepacking) and `model` (decoding.ModelStepper, the model's own
+forward), on the
 benchmark's rollout workload: the bundled SmolLM2, chain_sum train prompts, G = 8, temperature
 1.0, the merged-LoRA sampling weights, the run's dtype. Each round samples the same prompts with
 every path, rotating which goes first, so machine noise falls on all; the decode ideal at the
@@ -53,7 +55,9 @@ def load_workload(args):
     return policy, prompts, sampling_settings(config), load_dir
 
 
-PATHS = {"lean": {"lean": True, "pack": True}, "lean-plain": {"lean": True, "pack": False},
+PATHS = {"lean": {"lean": True, "pack": True},
+         "lean-torch": {"lean": True, "pack": True, "native": False},
+         "lean-plain": {"lean": True, "pack": False, "native": False},
          "model": {"lean": False}}
 
 

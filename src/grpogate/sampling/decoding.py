@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from grpogate.sampling.layers import (MASKED, WIDTH_BUCKET, chunks_by_shape, decoder_layers,
                                      decoder_logits, forward_rows, round_up, tiled_linear)
-from grpogate.sampling.lean_weights import LeanDecoder, lean_decoder
+from grpogate.sampling.lean_weights import LeanDecoder, lean_decoder, linear
+from grpogate.sampling.native import NativeKernels, native_kernels
 
 
 # Batch rows are rounded up to this multiple (prompt widths to layers.WIDTH_BUCKET) so that
@@ -135,10 +136,10 @@ class LeanStepper:
     in the batch to theirs, since finished rows leave it (`select`).
     """
 
-    name = "lean"
-
-    def __init__(self, decoder: LeanDecoder):
-        self.decoder = decoder
+    def __init__(self, decoder: LeanDecoder, kernels: NativeKernels | None = None):
+        self.decoder, self.kernels = decoder, kernels
+        # recorded in the evidence: the decode step's non-product work native or torch's
+        self.name = "lean" if kernels is None else "lean-native"
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], pad_id: int, group_size: int,
@@ -157,14 +158,19 @@ class LeanStepper:
         span = shared + width
         columns = torch.arange(span + max_new_tokens, device=device)[None]
         cos, sin = dec.rotary(dec.embed[:1], columns)
-        self.cos, self.sin = cos[0], sin[0]  # [C, d]
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [C, d]
         # Zeros, not empty: masked columns get probability 0, and 0 x NaN would still be NaN.
+        rows = len(prompts) * group_size
+        # The native step keeps the rows' own keys transposed too, [N, Hkv, d, T], T a
+        # multiple of 16 (its score loop reads 16 columns at a time), like the prompts' keys.
+        own = round_up(max_new_tokens, 16)
         self.prompt_keys, self.prompt_values, self.keys, self.values = (
             [torch.zeros(shape, dtype=dtype, device=device) for _ in dec.layers] for shape in (
                 (len(prompts), dec.kv_heads, dec.head_dim, span),
                 (len(prompts), dec.kv_heads, span, dec.head_dim),
-                (len(prompts) * group_size, dec.kv_heads, max_new_tokens, dec.head_dim),
-                (len(prompts) * group_size, dec.kv_heads, max_new_tokens, dec.head_dim)))
+                (rows, dec.kv_heads, dec.head_dim, own) if self.kernels else
+                (rows, dec.kv_heads, max_new_tokens, dec.head_dim),
+                (rows, dec.kv_heads, own if self.kernels else max_new_tokens, dec.head_dim)))
 
         prefix = None
         if shared:  # keys [1, Hkv, d, shared], values [1, Hkv, shared, d] -> every prompt
@@ -213,6 +219,8 @@ class LeanStepper:
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [N] -> next-token logits [N, V]; their K/V go into the rows' next column."""
+        if self.kernels is not None:
+            return self._native_step(token_ids)
         column = self.generated
         self.positions = self.positions + 1
         cos, sin = self.cos[self.positions][:, None, None], self.sin[self.positions][:, None, None]
@@ -234,6 +242,33 @@ class LeanStepper:
                                 cos, sin, mask, attend, attention=self._step_attention)
         self.generated = column + 1
         return decoder_logits(self.decoder, hidden[:, -1])
+
+    def _native_step(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """`step` with everything but the matrix products in three native calls per layer
+        (native_kernels.cpp: RMSNorm with the residual add before it, SiLU x up, and RoPE,
+        cache write and both attention parts under one softmax), the same mathematics and
+        dtype roundings as the torch operations of `step`."""
+        dec, kernels = self.decoder, self.kernels
+        column = self.generated
+        self.positions = self.positions + 1
+        prompt_of_row = self.slots // self.group  # [N]
+        scale = dec.head_dim ** -0.5
+        hidden = F.embedding(token_ids, dec.embed)  # [N, D], a fresh tensor: added to in place
+        normed = kernels.rms_norm(hidden, dec.layers[0].input_norm, dec.eps)
+        norms_after = [layer.input_norm for layer in dec.layers[1:]] + [dec.norm]
+        for index, (layer, next_norm) in enumerate(zip(dec.layers, norms_after)):
+            qkv = linear(normed, layer.qkv, layer.qkv_bias)  # [N, (H + 2 Hkv) d]
+            attended = kernels.decode_attention(
+                qkv, self.cos, self.sin, self.positions, prompt_of_row, self.prompt_mask,
+                self.prompt_keys[index], self.prompt_values[index], self.keys[index],
+                self.values[index], column, dec.heads, scale)
+            normed = kernels.add_rms_norm(hidden, linear(attended, layer.o, layer.o_bias),
+                                          layer.post_norm, dec.eps)
+            gate_up = linear(normed, layer.gate_up, layer.gate_up_bias)  # [N, 2 I]
+            down = linear(kernels.silu_mul(gate_up), layer.down, layer.down_bias)
+            normed = kernels.add_rms_norm(hidden, down, next_norm, dec.eps)
+        self.generated = column + 1
+        return linear(normed, dec.lm_head, dec.lm_head_bias)
 
     def _step_attention(self, q, keys, values, mask, scale):
         """q [N, 1, H, d]; keys (the prompts' [n, Hkv, d, S], the rows' own [N, Hkv, T, d]),
@@ -283,7 +318,13 @@ class LeanStepper:
         self.slots, self.positions = self.slots[keep], self.positions[keep]
 
 
-def make_stepper(model, lean: bool = True, pack: bool = True):
-    """The lean decoder where it covers the model, else the model's own forward."""
+def make_stepper(model, lean: bool = True, pack: bool = True, native: bool = True):
+    """The lean decoder where it covers the model (with the native kernels where they build),
+    else the model's own forward."""
     decoder = lean_decoder(model, pack) if lean else None
-    return LeanStepper(decoder) if decoder is not None else ModelStepper(model)
+    if decoder is None:
+        return ModelStepper(model)
+    kernels = native_kernels(decoder.embed.dtype, decoder.embed.device) if native else None
+    if kernels is not None and not kernels.covers(decoder.heads, decoder.kv_heads):
+        kernels = None
+    return LeanStepper(decoder, kernels)

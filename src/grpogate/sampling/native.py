@@ -1,0 +1,160 @@
+"""Native kernels for the lean decoder's decode step: built once per machine, optional.
+
+`native_kernels()` compiles native_kernels.cpp with the system C++ compiler the first time it
+is asked on a machine (about 3 s), keeps the shared library in the cache directory
+(`$GRPOGATE_CACHE`, else ~/.cache/grpogate, under native/) keyed by the source, the compiler
+and the CPU's flags, and loads it through ctypes. Where there is no compiler, the build fails,
+the dtype is neither bfloat16 nor float32, or `GRPOGATE_NATIVE=0` is set, it returns None and
+the decoder runs its torch operations instead (decoding.LeanStepper records which ran: `lean`
+or `lean-native`). The library holds only our own source; nothing a run directory names is
+ever built or loaded here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("native_kernels.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+MAX_GROUP = 8  # query heads per KV head the attention kernel is built for (native_kernels.cpp)
+_VOID, _LONG, _FLOAT, _INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("GRPOGATE_CACHE", Path.home() / ".cache" / "grpogate")) / "native"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (-march=native builds for them), or the platform's name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build() -> Path | None:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS),
+                                    _cpu_flags()]).encode()).hexdigest()[:24]
+    target = _cache_dir() / f"kernels-{key}.so"
+    if target.is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)],
+                                  capture_output=True, timeout=300)
+            if done.returncode != 0 or not built.is_file():
+                return None
+            os.replace(built, target)  # atomic: a concurrent build finds a whole file or none
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return target
+
+
+class NativeKernels:
+    """The four kernels on contiguous CPU tensors of one dtype (bfloat16 or float32)."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.library = library
+        library.grpogate_rms_norm.argtypes = [_INT, _VOID, _VOID, _VOID, _LONG, _LONG, _FLOAT]
+        library.grpogate_add_rms_norm.argtypes = [_INT, _VOID, _VOID, _VOID, _VOID, _LONG,
+                                                  _LONG, _FLOAT]
+        library.grpogate_silu_mul.argtypes = [_INT, _VOID, _VOID, _LONG, _LONG]
+        library.grpogate_decode_attention.argtypes = [_INT] + [_LONG] * 7 + [_FLOAT] + [_VOID] * 11
+        for function in ("grpogate_rms_norm", "grpogate_add_rms_norm", "grpogate_silu_mul"):
+            getattr(library, function).restype = None
+        library.grpogate_decode_attention.restype = _INT
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [N, D] -> RMSNorm(x) [N, D], as layers._rms_norm."""
+        out = torch.empty_like(x)
+        self.library.grpogate_rms_norm(DTYPES[x.dtype], x.data_ptr(), weight.data_ptr(),
+                                       out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """hidden += delta in place (both [N, D]); -> RMSNorm(hidden)."""
+        out = torch.empty_like(hidden)
+        self.library.grpogate_add_rms_norm(DTYPES[hidden.dtype], hidden.data_ptr(),
+                                           delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                           hidden.shape[0], hidden.shape[1], eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [N, 2 I] -> silu(gate) * up [N, I]."""
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty((rows, inter))
+        self.library.grpogate_silu_mul(DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
+                                       rows, inter)
+        return out
+
+    def decode_attention(self, qkv, cos, sin, positions, prompt_of_row, prompt_mask,
+                         prompt_keys, prompt_values, own_keys, own_values, column: int,
+                         heads: int, scale: float) -> torch.Tensor:
+        """One decode step's attention for every row (decoding.LeanStepper's cache layout).
+
+        qkv [N, (H + 2 Hkv) d] (before RoPE); cos/sin [C, d]; positions, prompt_of_row [N]
+        int64; prompt_mask [n, S] additive float32; prompt_keys [n, Hkv, d, S] and
+        prompt_values [n, Hkv, S, d]; own_keys [N, Hkv, d, T] and own_values [N, Hkv, T, d],
+        into which the rows' rotated keys and values are written at `column`; S and T
+        multiples of 16 -> [N, H d]."""
+        rows, kv_heads, capacity, head_dim = own_values.shape
+        out = qkv.new_empty((rows, heads * head_dim))
+        refused = self.library.grpogate_decode_attention(
+            DTYPES[qkv.dtype], rows, heads, kv_heads, head_dim, prompt_keys.shape[-1], capacity,
+            column, scale, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+            prompt_of_row.data_ptr(), prompt_mask.data_ptr(), prompt_keys.data_ptr(),
+            prompt_values.data_ptr(), own_keys.data_ptr(), own_values.data_ptr(), out.data_ptr())
+        if refused:  # `covers` is asked first; this is the kernel's own guard
+            raise ValueError(f"native decode attention not built for {heads} heads over "
+                             f"{kv_heads} KV heads, span {prompt_keys.shape[-1]}")
+        return out
+
+    @staticmethod
+    def covers(heads: int, kv_heads: int) -> bool:
+        """Whether decode_attention is built for this grouping (at most 8 heads per KV head)."""
+        return heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
+
+
+@lru_cache(maxsize=1)
+def _load() -> NativeKernels | None:
+    path = _build()
+    if path is None:
+        return None
+    try:
+        return NativeKernels(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError):
+        return None
+
+
+def native_kernels(dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
+    """The kernels for tensors of `dtype` on `device`, or None where they do not apply."""
+    if os.environ.get("GRPOGATE_NATIVE", "1") == "0":
+        return None
+    if torch.device(device).type != "cpu" or dtype not in DTYPES:
+        return None
+    return _load()

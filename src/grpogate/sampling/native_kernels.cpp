@@ -1,0 +1,399 @@
+// The lean decoder's decode step outside its matrix products, as four native kernels.
+//
+// A decode step at batch 64 spends about as long around its products as in them: some fifty
+// small tensor operations per layer (norms, RoPE, cache writes, four tiny batched products and
+// a softmax for the attention, SiLU), each paying its own dispatch for a few microseconds of
+// work. These kernels do that work in three calls per layer; the products stay in torch
+// (oneDNN, prepacked). See docs/design.md, "The native decode step".
+//
+// Numbers: every kernel reproduces the rounding the torch path applies where it keeps a tensor
+// in the model's dtype (bfloat16: a score, a probability, each attention part and their sum,
+// each RoPE product), and accumulates in float32. Every sum runs in an order fixed by this
+// source (a running sum, or sixteen partial sums combined in a fixed tree; the compiler never
+// reassociates float sums without -ffast-math), so a row's result depends on nothing but that
+// row: not on the other rows of the batch, nor on their count. Whether a multiply and an add
+// fuse is the compiler's choice for the CPU it builds on, which is part of the build's key.
+//
+// Built by grpogate.sampling.native with the system C++ compiler, -O3 -march=native -fopenmp;
+// OpenMP is the runtime torch itself loaded (same soname), so torch.set_num_threads governs it.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float from_bf16(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as c10::BFloat16
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+struct BF16 {
+  using T = uint16_t;
+  static float load(T x) { return from_bf16(x); }
+  static T store(float f) { return to_bf16(f); }
+  static float round(float f) { return from_bf16(to_bf16(f)); }
+};
+
+struct F32 {
+  using T = float;
+  static float load(T x) { return x; }
+  static T store(float f) { return f; }
+  static float round(float f) { return f; }
+};
+
+constexpr int LANES = 16;
+
+// The largest of x[0..n), and their sum in sixteen partial sums combined in a fixed tree.
+inline float max_of(const float* x, long n) {
+  float top[LANES];
+  for (int k = 0; k < LANES; ++k) top[k] = -INFINITY;
+  long i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int k = 0; k < LANES; ++k) top[k] = x[i + k] > top[k] ? x[i + k] : top[k];
+  for (int k = 0; i < n; ++i, ++k) top[k] = x[i] > top[k] ? x[i] : top[k];
+  for (int k = 1; k < LANES; ++k) top[0] = top[k] > top[0] ? top[k] : top[0];
+  return top[0];
+}
+
+inline float sum_of(const float* x, long n) {
+  float acc[LANES] = {0.f};
+  long i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int k = 0; k < LANES; ++k) acc[k] += x[i + k];
+  for (int k = 0; i < n; ++i, ++k) acc[k] += x[i];
+  for (int width = LANES / 2; width > 0; width /= 2)
+    for (int k = 0; k < width; ++k) acc[k] += acc[k + width];
+  return acc[0];
+}
+
+// e^x for x <= 88.3; 0 below -87.3 (a masked score, -1e30, gives exactly 0 as in torch).
+// Cephes' expf polynomial on x - n ln 2, |error| about 1 ulp; branch-free, so it vectorizes.
+inline float exp_f32(float x) {
+  const bool underflow = x < -87.3f;
+  x = x > 88.3f ? 88.3f : (underflow ? -87.3f : x);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return underflow ? 0.0f : p * scale;
+}
+
+// As transformers' RMSNorm: normalize in float32, round to the dtype, scale in the dtype.
+template <class E>
+inline void norm_row(const typename E::T* x, const typename E::T* weight, typename E::T* out,
+                     long dim, float eps) {
+  float acc[LANES] = {0.f};
+  long i = 0;
+  for (; i + LANES <= dim; i += LANES)
+    for (int k = 0; k < LANES; ++k) {
+      const float v = E::load(x[i + k]);
+      acc[k] += v * v;
+    }
+  for (int k = 0; i < dim; ++i, ++k) {
+    const float v = E::load(x[i]);
+    acc[k] += v * v;
+  }
+  for (int width = LANES / 2; width > 0; width /= 2)
+    for (int k = 0; k < width; ++k) acc[k] += acc[k + width];
+  const float inverse = 1.0f / std::sqrt(acc[0] / float(dim) + eps);
+  for (i = 0; i < dim; ++i)
+    out[i] = E::store(E::load(weight[i]) * E::round(E::load(x[i]) * inverse));
+}
+
+template <class E>
+void rms_norm(const typename E::T* x, const typename E::T* weight, typename E::T* out,
+              long rows, long dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= 16384)
+  for (long r = 0; r < rows; ++r) norm_row<E>(x + r * dim, weight, out + r * dim, dim, eps);
+}
+
+// hidden += delta (rounded to the dtype, as torch's add), then out = rms_norm(hidden).
+template <class E>
+void add_rms_norm(typename E::T* hidden, const typename E::T* delta,
+                  const typename E::T* weight, typename E::T* out, long rows, long dim,
+                  float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= 16384)
+  for (long r = 0; r < rows; ++r) {
+    typename E::T* h = hidden + r * dim;
+    const typename E::T* d = delta + r * dim;
+    for (long i = 0; i < dim; ++i) h[i] = E::store(E::load(h[i]) + E::load(d[i]));
+    norm_row<E>(h, weight, out + r * dim, dim, eps);
+  }
+}
+
+// gate_up [rows, 2 I] -> out [rows, I] = silu(gate) * up, each rounded to the dtype.
+template <class E>
+void silu_mul(const typename E::T* gate_up, typename E::T* out, long rows, long inter) {
+#pragma omp parallel for schedule(static) if (rows * inter >= 16384)
+  for (long r = 0; r < rows; ++r) {
+    const typename E::T* gate = gate_up + r * 2 * inter;
+    const typename E::T* up = gate + inter;
+    typename E::T* o = out + r * inter;
+    for (long i = 0; i < inter; ++i) {
+      const float g = E::load(gate[i]);
+      const float silu = E::round(g / (1.0f + exp_f32(-g)));
+      o[i] = E::store(silu * E::load(up[i]));
+    }
+  }
+}
+
+// RoPE in transformers' layout (halves): x cos + rotate_half(x) sin, each product rounded.
+template <class E>
+inline void rotate(const typename E::T* x, const typename E::T* cos, const typename E::T* sin,
+                   float* out, long d) {
+  const long half = d / 2;
+  for (long i = 0; i < d; ++i) {
+    const float turned = i < half ? -E::load(x[i + half]) : E::load(x[i - half]);
+    out[i] = E::round(E::round(E::load(x[i]) * E::load(cos[i])) +
+                      E::round(turned * E::load(sin[i])));
+  }
+}
+
+// scores[j][c] = sum over i of q[j][i] * keys_t[i][c] for c < columns (a multiple of 16), keys
+// stored transposed [d, stride]: 16 columns x G accumulators at a time, each a running sum
+// over d in order.
+template <class E, int G>
+inline void score_columns(const float* q, const typename E::T* keys_t, long d, long stride,
+                          long columns, float* scores, long scores_stride) {
+  for (long c0 = 0; c0 < columns; c0 += 16) {
+    float acc[G][16] = {};
+    for (long i = 0; i < d; ++i) {
+      float k[16];
+      for (int c = 0; c < 16; ++c) k[c] = E::load(keys_t[i * stride + c0 + c]);
+      for (int j = 0; j < G; ++j) {
+        const float qi = q[j * d + i];
+        for (int c = 0; c < 16; ++c) acc[j][c] += qi * k[c];
+      }
+    }
+    for (int j = 0; j < G; ++j)
+      for (int c = 0; c < 16; ++c) scores[j * scores_stride + c0 + c] = acc[j][c];
+  }
+}
+
+// out[j] = round(sum_c p[j][c] v[c]) over the prompt's columns + round(the same over the own
+// columns), W lanes of d at a time with G x W accumulators (d a multiple of W).
+template <class E, int G, int W>
+inline void weigh_values(const float* probs, long stride, long span, long own,
+                         const typename E::T* prompt_v, const typename E::T* own_v, long d,
+                         typename E::T* out) {
+  for (long i0 = 0; i0 < d; i0 += W) {
+    float acc[G][W] = {}, part[G][W];
+    for (long c = 0; c < span; ++c) {
+      float v[W];
+      for (int i = 0; i < W; ++i) v[i] = E::load(prompt_v[c * d + i0 + i]);
+      for (int j = 0; j < G; ++j) {
+        const float p = probs[j * stride + c];
+        for (int i = 0; i < W; ++i) acc[j][i] += p * v[i];
+      }
+    }
+    for (int j = 0; j < G; ++j)
+      for (int i = 0; i < W; ++i) {
+        part[j][i] = E::round(acc[j][i]);
+        acc[j][i] = 0.f;
+      }
+    for (long t = 0; t < own; ++t) {
+      float v[W];
+      for (int i = 0; i < W; ++i) v[i] = E::load(own_v[t * d + i0 + i]);
+      for (int j = 0; j < G; ++j) {
+        const float p = probs[j * stride + span + t];
+        for (int i = 0; i < W; ++i) acc[j][i] += p * v[i];
+      }
+    }
+    for (int j = 0; j < G; ++j)
+      for (int i = 0; i < W; ++i)
+        out[j * d + i0 + i] = E::store(part[j][i] + E::round(acc[j][i]));
+  }
+}
+
+struct StepShape {
+  long rows, heads, kv_heads, head_dim, span, own_capacity, column;
+  float scale;
+};
+
+constexpr int MAX_GROUP = 8;  // query heads per KV head that the kernel is built for
+
+// One row's one KV head, its G query heads at once: rotate the queries and the key, write key
+// and value into the row's own cache at `column`, attend the queries to the prompt's `span`
+// columns and the row's own columns 0..column under one softmax, write the G heads' outputs.
+// The loops are blocked so that each key or value the kernel loads serves all G queries from
+// registers: 16 score columns x G accumulators, 16 output lanes x 2 G accumulators.
+template <class E, int G>
+void attend_one(const StepShape& s, const typename E::T* qkv, const typename E::T* cos,
+                const typename E::T* sin, const float* prompt_mask,
+                const typename E::T* prompt_keys, const typename E::T* prompt_values,
+                typename E::T* own_keys, typename E::T* own_values, typename E::T* out,
+                long kv_head, std::vector<float>& scratch) {
+  using T = typename E::T;
+  const long d = s.head_dim, span = s.span, own = s.column + 1, width = span + own;
+  const long stride = span + (own + 15) / 16 * 16;  // a row of scores: own part in 16s
+  scratch.resize(size_t(G * d + G * stride + d));
+  float* q = scratch.data();            // [G, d]
+  float* scores = q + G * d;            // [G, stride], columns past `width` ignored
+  float* key = scores + G * stride;     // [d]: the rotated key
+
+  rotate<E>(qkv + (s.heads + kv_head) * d, cos, sin, key, d);
+  T* key_column = own_keys + kv_head * d * s.own_capacity + s.column;  // stride own_capacity
+  T* value_slot = own_values + (kv_head * s.own_capacity + s.column) * d;
+  const T* value = qkv + (s.heads + s.kv_heads + kv_head) * d;
+  for (long i = 0; i < d; ++i) {
+    key_column[i * s.own_capacity] = E::store(key[i]);
+    value_slot[i] = value[i];
+  }
+  for (int j = 0; j < G; ++j) rotate<E>(qkv + (kv_head * G + j) * d, cos, sin, q + j * d, d);
+
+  // Both parts' keys are stored transposed: the prompt's [d, span], the row's own [d,
+  // own_capacity] (both multiples of 16; own columns past `column` are scored and ignored).
+  score_columns<E, G>(q, prompt_keys + kv_head * d * span, d, span, span, scores, stride);
+  score_columns<E, G>(q, own_keys + kv_head * d * s.own_capacity, d, s.own_capacity,
+                      stride - span, scores + span, stride);
+
+  for (int j = 0; j < G; ++j) {
+    float* row = scores + j * stride;
+    for (long c = 0; c < width; ++c) {
+      const float mask = c < span ? prompt_mask[c] : 0.0f;
+      row[c] = E::round(row[c]) * s.scale + mask;  // the product's result is in the dtype
+    }
+    const float top = max_of(row, width);
+    for (long c = 0; c < width; ++c) row[c] = exp_f32(row[c] - top);
+    const float inverse = 1.0f / sum_of(row, width);
+    for (long c = 0; c < width; ++c) row[c] = E::round(row[c] * inverse);
+  }
+
+  // Outputs, W lanes of d at a time: each part a running sum over its columns in order,
+  // rounded to the dtype, then the two parts added (the torch path's two products and sum).
+  const T* prompt_v = prompt_values + kv_head * span * d;
+  const T* own_v = own_values + kv_head * s.own_capacity * d;
+  if (d % 32 == 0)
+    weigh_values<E, G, 32>(scores, stride, span, own, prompt_v, own_v, d, out + kv_head * G * d);
+  else
+    weigh_values<E, G, 16>(scores, stride, span, own, prompt_v, own_v, d, out + kv_head * G * d);
+}
+
+template <class E, int G>
+void decode_attention(const StepShape& s, const typename E::T* qkv, const typename E::T* cos,
+                      const typename E::T* sin, const int64_t* positions,
+                      const int64_t* prompt_of_row, const float* prompt_mask,
+                      const typename E::T* prompt_keys, const typename E::T* prompt_values,
+                      typename E::T* own_keys, typename E::T* own_values,
+                      typename E::T* out) {
+  const long d = s.head_dim, qkv_width = (s.heads + 2 * s.kv_heads) * d;
+  const long tasks = s.rows * s.kv_heads;
+#pragma omp parallel
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(static)
+    for (long task = 0; task < tasks; ++task) {
+      const long r = task / s.kv_heads, kv_head = task % s.kv_heads;
+      const long p = prompt_of_row[r];
+      attend_one<E, G>(s, qkv + r * qkv_width, cos + positions[r] * d, sin + positions[r] * d,
+                       prompt_mask + p * s.span,
+                       prompt_keys + p * s.kv_heads * d * s.span,
+                       prompt_values + p * s.kv_heads * s.span * d,
+                       own_keys + r * s.kv_heads * s.own_capacity * d,
+                       own_values + r * s.kv_heads * s.own_capacity * d,
+                       out + r * s.heads * d, kv_head, scratch);
+    }
+  }
+}
+
+template <class E>
+int decode_attention_any(const StepShape& s, const void* qkv, const void* cos, const void* sin,
+                         const int64_t* positions, const int64_t* prompt_of_row,
+                         const float* prompt_mask, const void* prompt_keys,
+                         const void* prompt_values, void* own_keys, void* own_values,
+                         void* out) {
+  using T = typename E::T;
+  auto run = [&](auto group) {
+    decode_attention<E, decltype(group)::value>(
+        s, (const T*)qkv, (const T*)cos, (const T*)sin, positions, prompt_of_row, prompt_mask,
+        (const T*)prompt_keys, (const T*)prompt_values, (T*)own_keys, (T*)own_values, (T*)out);
+    return 0;
+  };
+  switch (s.heads / s.kv_heads) {
+    case 1: return run(std::integral_constant<int, 1>());
+    case 2: return run(std::integral_constant<int, 2>());
+    case 3: return run(std::integral_constant<int, 3>());
+    case 4: return run(std::integral_constant<int, 4>());
+    case 5: return run(std::integral_constant<int, 5>());
+    case 6: return run(std::integral_constant<int, 6>());
+    case 7: return run(std::integral_constant<int, 7>());
+    case 8: return run(std::integral_constant<int, 8>());
+    default: return 1;  // not built for this grouping: the caller runs torch's operations
+  }
+}
+
+
+}  // namespace
+
+// The C interface grpogate.sampling.native calls; `bf16` chooses the element type
+// (1: bfloat16 as uint16, 0: float32).
+extern "C" {
+
+int grpogate_native_version() { return 1; }
+
+void grpogate_rms_norm(int bf16, const void* x, const void* weight, void* out, long rows,
+                       long dim, float eps) {
+  if (bf16)
+    rms_norm<BF16>((const uint16_t*)x, (const uint16_t*)weight, (uint16_t*)out, rows, dim, eps);
+  else
+    rms_norm<F32>((const float*)x, (const float*)weight, (float*)out, rows, dim, eps);
+}
+
+void grpogate_add_rms_norm(int bf16, void* hidden, const void* delta, const void* weight,
+                           void* out, long rows, long dim, float eps) {
+  if (bf16)
+    add_rms_norm<BF16>((uint16_t*)hidden, (const uint16_t*)delta, (const uint16_t*)weight,
+                       (uint16_t*)out, rows, dim, eps);
+  else
+    add_rms_norm<F32>((float*)hidden, (const float*)delta, (const float*)weight, (float*)out,
+                      rows, dim, eps);
+}
+
+void grpogate_silu_mul(int bf16, const void* gate_up, void* out, long rows, long inter) {
+  if (bf16)
+    silu_mul<BF16>((const uint16_t*)gate_up, (uint16_t*)out, rows, inter);
+  else
+    silu_mul<F32>((const float*)gate_up, (float*)out, rows, inter);
+}
+
+// Returns 0, or 1 (nothing written) for a grouping or a span the kernel is not built for.
+int grpogate_decode_attention(int bf16, long rows, long heads, long kv_heads, long head_dim,
+                              long span, long own_capacity, long column, float scale,
+                              const void* qkv, const void* cos, const void* sin,
+                              const int64_t* positions, const int64_t* prompt_of_row,
+                              const float* prompt_mask, const void* prompt_keys,
+                              const void* prompt_values, void* own_keys, void* own_values,
+                              void* out) {
+  if (span % 16 != 0 || own_capacity % 16 != 0 || head_dim % 16 != 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP) return 1;
+  const StepShape s{rows, heads, kv_heads, head_dim, span, own_capacity, column, scale};
+  if (bf16)
+    return decode_attention_any<BF16>(s, qkv, cos, sin, positions, prompt_of_row, prompt_mask,
+                                      prompt_keys, prompt_values, own_keys, own_values, out);
+  return decode_attention_any<F32>(s, qkv, cos, sin, positions, prompt_of_row, prompt_mask,
+                                   prompt_keys, prompt_values, own_keys, own_values, out);
+}
+
+}  // extern "C"

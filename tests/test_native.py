@@ -1,0 +1,233 @@
+"""The native decode-step kernels: hand-computed values, rows independent of their batch, the
+same logits and samples as the torch operations they replace, and the torch path wherever the
+kernels do not build or do not apply."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpogate.sampling import native
+from grpogate.sampling.decoding import LeanStepper, ModelStepper, make_stepper
+from grpogate.sampling.lean_weights import lean_decoder
+from grpogate.inputs.policy import load_policy, sampling_weights
+from grpogate.sampling.rollout import SamplingSettings, generate_completions
+from test_decoding import PROMPT_SETS, SIZES, tiny
+
+MASKED = -1e30
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    found = native.native_kernels(torch.float32, torch.device("cpu"))
+    if found is None:
+        pytest.skip("no C++ compiler with OpenMP on this machine: the torch path runs")
+    return found
+
+
+def test_rms_norm_and_silu_mul_by_hand(kernels):
+    # x = [3, 4]: mean square (9 + 16) / 2 = 12.5, 1 / sqrt(12.5) = 0.2828427;
+    # x * that = [0.8485281, 1.1313708], times weight [1, 2] -> [0.8485281, 2.2627417].
+    x = torch.tensor([[3.0, 4.0]])
+    weight = torch.tensor([1.0, 2.0])
+    expected = torch.tensor([[0.8485281, 2.2627417]])
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 0.0), expected)
+    # add_rms_norm: hidden [1, 2] + delta [2, 2] = [3, 4] in place, then the same norm.
+    hidden = torch.tensor([[1.0, 2.0]])
+    normed = kernels.add_rms_norm(hidden, torch.tensor([[2.0, 2.0]]), weight, 0.0)
+    assert hidden.tolist() == [[3.0, 4.0]]
+    torch.testing.assert_close(normed, expected)
+    # silu(g) = g / (1 + e^-g): silu(0) = 0, silu(1) = 0.7310586, silu(-2) = -0.2384058;
+    # times up [5, 2, 3] -> [0, 1.4621172, -0.7152175].
+    gate_up = torch.tensor([[0.0, 1.0, -2.0, 5.0, 2.0, 3.0]])
+    torch.testing.assert_close(kernels.silu_mul(gate_up),
+                               torch.tensor([[0.0, 1.4621172, -0.7152175]]))
+
+
+def _one_row_attention(kernels, prompt_keys, prompt_values, prompt_mask, qkv, cos, sin,
+                       capacity=16, column=0, own=None):
+    d = qkv.shape[1] // 3
+    own_keys = torch.zeros(1, 1, d, capacity) if own is None else own[0]
+    own_values = torch.zeros(1, 1, capacity, d) if own is None else own[1]
+    out = kernels.decode_attention(
+        qkv, cos, sin, torch.tensor([0]), torch.tensor([0]), prompt_mask, prompt_keys,
+        prompt_values, own_keys, own_values, column, heads=1, scale=1.0)
+    return out, own_keys, own_values
+
+
+def test_decode_attention_by_hand(kernels):
+    """One row, one head, d = 16, no rotation (cos 1, sin 0), scale 1. The prompt's 16 columns:
+    column 0 a zero key, column 1 the key e0, the rest masked; the row's own key is zero. With
+    q = ln 3 e0 the scores are [0, ln 3] and 0 (own), so softmax = [1/5, 3/5, 1/5]; values 5 e1,
+    5 e2 and 5 e3 give the output [0, 1, 3, 1, 0, ...]."""
+    d = 16
+    q, k, v = torch.zeros(d), torch.zeros(d), torch.zeros(d)
+    q[0] = math.log(3.0)
+    v[3] = 5.0
+    qkv = torch.cat([q, k, v])[None]
+    prompt_keys = torch.zeros(1, 1, d, 16)  # transposed: [d, span]
+    prompt_keys[0, 0, 0, 1] = 1.0
+    prompt_values = torch.zeros(1, 1, 16, d)
+    prompt_values[0, 0, 0, 1] = 5.0
+    prompt_values[0, 0, 1, 2] = 5.0
+    prompt_mask = torch.full((1, 16), MASKED)
+    prompt_mask[0, :2] = 0.0
+    out, own_keys, own_values = _one_row_attention(
+        kernels, prompt_keys, prompt_values, prompt_mask, qkv, torch.ones(4, d),
+        torch.zeros(4, d))
+    expected = torch.zeros(1, d)
+    expected[0, 1:4] = torch.tensor([1.0, 3.0, 1.0])
+    torch.testing.assert_close(out, expected)
+    assert own_values[0, 0, 0].tolist() == v.tolist()  # the row's value written at column 0
+    assert own_keys[0, 0, :, 0].tolist() == k.tolist()
+
+
+def test_decode_attention_rotates_query_and_key_by_hand(kernels):
+    """RoPE in halves: with cos 0 and sin 1 the rotation maps x to [-x_hi, x_lo]. The key
+    e8 (d = 16) becomes -e0; the query e0 becomes e8. The stored key is the rotated one."""
+    d = 16
+    q, k = torch.zeros(d), torch.zeros(d)
+    q[0], k[8] = 1.0, 1.0
+    qkv = torch.cat([q, k, torch.zeros(d)])[None]
+    _, own_keys, _ = _one_row_attention(
+        kernels, torch.zeros(1, 1, d, 16), torch.zeros(1, 1, 16, d), torch.zeros(1, 16), qkv,
+        torch.zeros(4, d), torch.ones(4, d))
+    expected = torch.zeros(d)
+    expected[0] = -1.0
+    assert own_keys[0, 0, :, 0].tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, dtype):
+    """The same row computed in a batch of 24 rows and alone: bit-identical outputs (attention,
+    norms, SiLU), which is what keeps a prompt's samples independent of its batch and rank."""
+    generator = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, d, span, capacity, column = 24, 6, 2, 32, 32, 16, 5
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    qkv, cos, sin = rand(rows, (heads + 2 * kv_heads) * d), rand(64, d), rand(64, d)
+    prompt_keys, prompt_values = rand(3, kv_heads, d, span), rand(3, kv_heads, span, d)
+    prompt_mask = torch.zeros(3, span)
+    prompt_mask[:, :7] = MASKED
+    own_keys, own_values = rand(rows, kv_heads, d, capacity), rand(rows, kv_heads, capacity, d)
+    positions = torch.randint(0, 64, (rows,), generator=generator)
+    prompt_of_row = torch.arange(rows) // 8
+
+    def attention(selected):
+        return kernels.decode_attention(
+            qkv[selected], cos, sin, positions[selected], prompt_of_row[selected], prompt_mask,
+            prompt_keys, prompt_values, own_keys[selected].clone(),
+            own_values[selected].clone(), column, heads, 0.125)
+
+    batch = attention(torch.arange(rows))
+    for row in (0, 13, 23):
+        assert torch.equal(attention(torch.tensor([row]))[0], batch[row])
+    hidden, weight = rand(rows, 64), rand(64)
+    assert torch.equal(kernels.rms_norm(hidden[13:14], weight, 1e-5)[0],
+                       kernels.rms_norm(hidden, weight, 1e-5)[13])
+    gate_up = rand(rows, 96)
+    assert torch.equal(kernels.silu_mul(gate_up[13:14])[0], kernels.silu_mul(gate_up)[13])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("prompts", PROMPT_SETS)
+def test_native_step_logits_equal_the_model_forward_through_row_drops(kernels, kind, prompts):
+    """float32: the native step against the model's own forward, as the torch lean step is
+    tested (test_decoding), through prefill, decode steps and rows leaving the batch."""
+    model = tiny(kind)
+    reference, lean = ModelStepper(model), LeanStepper(lean_decoder(model), kernels)
+    assert lean.name == "lean-native"
+    group = 2
+    torch.testing.assert_close(lean.prefill(prompts, 0, group, 6),
+                               reference.prefill(prompts, 0, group, 6), atol=1e-5, rtol=1e-5)
+    tokens = torch.randint(0, SIZES["vocab_size"], (len(prompts) * group,),
+                           generator=torch.Generator().manual_seed(1))
+    drops = {2: torch.tensor([0, 2, 3, 5]), 4: torch.tensor([1, 2, 3])}
+    for step in range(6):
+        if step in drops:
+            reference.select(drops[step])
+            lean.select(drops[step])
+            tokens = tokens[drops[step]]
+        expected, got = reference.step(tokens), lean.step(tokens)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        tokens = expected.argmax(-1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_native_step_in_bfloat16_stays_within_rounding_of_the_torch_step(kernels, kind):
+    """bfloat16: the same dtype roundings as the torch operations, sums in another order; on
+    the tiny model the logits stay within a few bfloat16 steps of the torch lean step's."""
+    model = tiny(kind).to(torch.bfloat16)
+    decoder = lean_decoder(model)
+    torch_step, native_step = LeanStepper(decoder), LeanStepper(decoder, kernels)
+    prompts = PROMPT_SETS[1]
+    assert torch.equal(torch_step.prefill(prompts, 0, 2, 5), native_step.prefill(prompts, 0, 2, 5))
+    tokens = torch.arange(len(prompts) * 2)
+    for _ in range(5):
+        expected, got = torch_step.step(tokens), native_step.step(tokens)
+        torch.testing.assert_close(got.float(), expected.float(), atol=0.02, rtol=0.02)
+        tokens = expected.argmax(-1)
+
+
+def test_native_and_torch_decoding_sample_the_same_completions(kernels, tiny_config, tmp_path):
+    """float32 end to end on the tiny model with the real tokenizer: generate_completions
+    through either step samples the same tokens."""
+    policy = load_policy(tiny_config(tmp_path), seed=0)
+    prompts = [list(policy.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
+        return_dict=True)["input_ids"]) for question in ("What is 3 + 4?", "Name a prime.")]
+    settings = SamplingSettings(max_new_tokens=10, temperature=1.0, top_p=1.0, batch_size=8)
+    with sampling_weights(policy):
+        decoder = lean_decoder(policy.model)
+        sampled = [generate_completions(policy.model, policy.tokenizer, prompts, 4, settings,
+                                        seed=3, stepper=LeanStepper(decoder, chosen))
+                   for chosen in (kernels, None)]
+    native_ids, torch_ids = ([c.completion_token_ids for c in run] for run in sampled)
+    assert native_ids == torch_ids and len(native_ids) == 8 and all(native_ids)
+
+
+def test_the_torch_path_runs_where_the_kernels_do_not(monkeypatch, tmp_path):
+    model = tiny("llama")
+    assert make_stepper(model, native=False).name == "lean"
+    monkeypatch.setenv("GRPOGATE_NATIVE", "0")
+    assert native.native_kernels(torch.float32, torch.device("cpu")) is None
+    assert make_stepper(model).name == "lean"
+    monkeypatch.delenv("GRPOGATE_NATIVE")
+    assert native.native_kernels(torch.float16, torch.device("cpu")) is None  # no fp16 build
+    # No compiler: nothing is built and the torch path runs.
+    native._load.cache_clear()
+    monkeypatch.setenv("GRPOGATE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    try:
+        assert native.native_kernels(torch.float32, torch.device("cpu")) is None
+        assert make_stepper(model).name == "lean"
+        assert not (tmp_path / "native").exists() or not list((tmp_path / "native").iterdir())
+    finally:
+        native._load.cache_clear()
+
+
+def test_nine_heads_per_kv_head_are_not_built_for(kernels):
+    assert kernels.covers(9, 3) and kernels.covers(14, 2) and not kernels.covers(18, 2)
+
+
+def test_the_library_is_built_once_per_machine_and_reused(monkeypatch, tmp_path):
+    compiles = []
+    real_run = native.subprocess.run
+
+    def counting_run(command, **options):
+        if "-o" in command:
+            compiles.append(command)
+        return real_run(command, **options)
+
+    monkeypatch.setenv("GRPOGATE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native.subprocess, "run", counting_run)
+    first = native._build()
+    if first is None:
+        pytest.skip("no C++ compiler with OpenMP on this machine")
+    assert first.parent == tmp_path / "native" and first.is_file()
+    assert native._build() == first and len(compiles) == 1  # the second call finds it built
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
