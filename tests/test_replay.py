@@ -51,3 +51,20 @@ def test_replay_reproduces_the_retest_and_catches_a_forged_completion(tiny_confi
     assert elsewhere["environment_matches"] is False and elsewhere["mismatches"] == []
     assert elsewhere["environment_differences"]["torch"]["now"] == "0.0-other"
     assert elsewhere["equal"] == 15
+
+
+def test_a_replay_without_the_runs_native_kernels_reports_rather_than_rejects(
+        tiny_config, tmp_path, monkeypatch):
+    """The run recorded which native build decoded (or "none"); a replay where another build,
+    or none, would decode says so and rejects nothing on the samples."""
+    run_dir = pipeline.run(tiny_config(tmp_path))["run_dir"]
+    import torch
+
+    recorded = json.loads(open(f"{run_dir}/evidence.json").read())["environment"]
+    assert recorded["native_kernels"] == replay.kernels_identity(torch.float32,
+                                                                 torch.device("cpu"))
+    monkeypatch.setattr(replay, "kernels_identity", lambda dtype, device: "kernels-elsewhere")
+    elsewhere = replay_retest(run_dir, 1)
+    assert elsewhere["environment_matches"] is False and elsewhere["mismatches"] == []
+    assert elsewhere["environment_differences"]["native_kernels"] == {
+        "recorded": recorded["native_kernels"], "now": "kernels-elsewhere"}

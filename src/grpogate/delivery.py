@@ -16,15 +16,18 @@ from grpogate.evidence.assemble import library_versions
 from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE, build_manifest
 from grpogate.files import atomic_directory, atomic_write_bytes, atomic_write_json, jsonl_bytes
 from grpogate.inputs.policy import Policy, save_adapter
+from grpogate.sampling.native import kernels_identity
 from grpogate.training.checkpoint import remove_checkpoints
 
 
 def run_environment(policy: Policy) -> dict:
     """The evidence's `environment`: library versions and how this process ran the policy
     (a grpogate run and a gated foreign run record the same fields)."""
+    dtype = next(policy.model.parameters()).dtype
     return library_versions() | {
         "torch_threads": torch.get_num_threads(), "device": str(policy.device),
-        "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch.")}
+        "dtype": str(dtype).removeprefix("torch."),
+        "native_kernels": kernels_identity(dtype, policy.device)}
 
 
 def peak_memory(device: torch.device) -> dict:

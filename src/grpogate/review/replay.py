@@ -33,11 +33,12 @@ from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import StopRequest
 from grpogate.pipeline import NullReporter
 from grpogate.sampling.decoding import shared_prefix_length
+from grpogate.sampling.native import kernels_identity
 from grpogate.sampling.retest import retest_both
 from grpogate.sampling.rollout import encode_prompts
 
 ENVIRONMENT_KEYS = ("python", "platform", "torch", "transformers", "peft", "safetensors",
-                    "torch_threads", "device", "dtype")
+                    "torch_threads", "device", "dtype", "native_kernels")
 
 
 def replay_prompt_count(config, asked: int) -> int:
@@ -105,9 +106,11 @@ def _environment_differences(recorded: dict, config) -> dict:
     from grpogate.inputs.policy import resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
     now = library_versions() | {
         "torch_threads": recorded.get("torch_threads"), "device": str(device),
-        "dtype": str(resolve_dtype(config.dtype, device)).removeprefix("torch.")}
+        "dtype": str(dtype).removeprefix("torch."),
+        "native_kernels": kernels_identity(dtype, device)}
     return {key: {"recorded": recorded.get(key), "now": now.get(key)}
             for key in ENVIRONMENT_KEYS if recorded.get(key) != now.get(key)}
 

@@ -77,8 +77,8 @@ def _build() -> Path | None:
 class NativeKernels:
     """The four kernels on contiguous CPU tensors of one dtype (bfloat16 or float32)."""
 
-    def __init__(self, library: ctypes.CDLL):
-        self.library = library
+    def __init__(self, library: ctypes.CDLL, identity: str):
+        self.library, self.identity = library, identity  # identity: the build's file name
         library.grpogate_rms_norm.argtypes = [_INT, _VOID, _VOID, _VOID, _LONG, _LONG, _FLOAT]
         library.grpogate_add_rms_norm.argtypes = [_INT, _VOID, _VOID, _VOID, _VOID, _LONG,
                                                   _LONG, _FLOAT]
@@ -146,7 +146,7 @@ def _load() -> NativeKernels | None:
     if path is None:
         return None
     try:
-        return NativeKernels(ctypes.CDLL(str(path)))
+        return NativeKernels(ctypes.CDLL(str(path)), path.stem)
     except (OSError, AttributeError):
         return None
 
@@ -158,3 +158,11 @@ def native_kernels(dtype: torch.dtype, device: torch.device) -> NativeKernels | 
     if torch.device(device).type != "cpu" or dtype not in DTYPES:
         return None
     return _load()
+
+
+def kernels_identity(dtype: torch.dtype, device: torch.device) -> str:
+    """What the evidence's environment records: the build the decode step uses (its source,
+    compiler and CPU flags, as a key) or "none". A replay elsewhere compares it: another build
+    may round differently, so bit-identical samples are not promised across two."""
+    kernels = native_kernels(dtype, device)
+    return "none" if kernels is None else kernels.identity
