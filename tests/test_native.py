@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpogate.sampling import native
 from grpogate.sampling.decoding import LeanStepper, ModelStepper, make_stepper
@@ -211,8 +212,15 @@ def test_the_torch_path_runs_where_the_kernels_do_not(monkeypatch, tmp_path):
         native._load.cache_clear()
 
 
-def test_nine_heads_per_kv_head_are_not_built_for(kernels):
-    assert kernels.covers(9, 3) and kernels.covers(14, 2) and not kernels.covers(18, 2)
+def test_shapes_the_attention_kernel_is_not_built_for_take_the_torch_step(kernels):
+    # SmolLM2-135M: 9 heads over 3, d 64; Qwen2.5-0.5B: 14 over 2, d 64.
+    assert kernels.covers(9, 3, 64) and kernels.covers(14, 2, 64)
+    assert not kernels.covers(18, 2, 64)  # 9 query heads per KV head
+    assert not kernels.covers(8, 2, 24)  # a head dimension off the kernel's 16 lanes
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=96,
+                                         num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2)).eval()  # d = 24
+    assert make_stepper(model).name == "lean"
 
 
 def test_the_library_is_built_once_per_machine_and_reused(monkeypatch, tmp_path):

@@ -123,12 +123,13 @@ class LeanStepper:
     The cache holds each prompt's part once, not once per row: keys transposed [n, Hkv, d, S]
     and values [n, Hkv, S, d] over the columns [shared prefix | the prompt's suffix,
     left-padded], S in all, with an additive mask [n, S] for the padding; and each row's own
-    generated part, keys and values [N, Hkv, T, d]. The prefix the prompts have in common
-    (system prompt and chat template, typically) is computed once at batch 1 (measured on the
-    bench rollout: prefill 0.22 -> 0.15 s); the prompts' suffixes attend to it, forwarded
-    together by `forward_rows` (`_prefill_suffixes`). A decode step attends a row to its
-    prompt's part in one matrix product per prompt (its G rows' queries against keys read
-    once, `_step_attention`) and to its own columns, one softmax over both. Reading the
+    generated part, keys and values [N, Hkv, T, d] (keys [N, Hkv, d, T] for the native step).
+    The prefix the prompts have in common (system prompt and chat template, typically) is
+    computed once at batch 1 (measured on the bench rollout: prefill 0.22 -> 0.15 s); the
+    prompts' suffixes attend to it, forwarded together by `forward_rows`
+    (`_prefill_suffixes`). A decode step attends a row to its prompt's part in one matrix
+    product per prompt (its G rows' queries against keys read once, `_step_attention`; with
+    the native kernels, `_native_step`) and to its own columns, one softmax over both. Reading the
     prompt's keys once per row, as a cache repeated G times does, made attention and cache
     writes about 40 % of a decode step at batch 64 (bf16 kernels: the prompt is 80 of 128
     columns there).
@@ -325,6 +326,7 @@ def make_stepper(model, lean: bool = True, pack: bool = True, native: bool = Tru
     if decoder is None:
         return ModelStepper(model)
     kernels = native_kernels(decoder.embed.dtype, decoder.embed.device) if native else None
-    if kernels is not None and not kernels.covers(decoder.heads, decoder.kv_heads):
+    if kernels is not None and not kernels.covers(decoder.heads, decoder.kv_heads,
+                                                  decoder.head_dim):
         kernels = None
     return LeanStepper(decoder, kernels)

@@ -135,9 +135,10 @@ class NativeKernels:
         return out
 
     @staticmethod
-    def covers(heads: int, kv_heads: int) -> bool:
-        """Whether decode_attention is built for this grouping (at most 8 heads per KV head)."""
-        return heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
+    def covers(heads: int, kv_heads: int, head_dim: int) -> bool:
+        """Whether decode_attention is built for this shape: at most 8 query heads per KV head,
+        a head dimension that is a multiple of 16 (the kernel's lanes)."""
+        return heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP and head_dim % 16 == 0
 
 
 @lru_cache(maxsize=1)
