@@ -75,10 +75,13 @@ class BaseModelSource:
                 "public_id": self.public_id, "sha256": self.sha256, "revision": self.revision}
 
 
-def default_cache_dir(config: RunConfig) -> Path:
-    if config.cache_dir:
-        return Path(config.cache_dir)
+def cache_root() -> Path:
+    """$GRPOGATE_CACHE, else ~/.cache/grpogate: where grpogate keeps what it builds once."""
     return Path(os.environ.get("GRPOGATE_CACHE", Path.home() / ".cache" / "grpogate"))
+
+
+def default_cache_dir(config: RunConfig) -> Path:
+    return Path(config.cache_dir) if config.cache_dir else cache_root()
 
 
 def bundled_gguf_path() -> Path:

@@ -24,15 +24,13 @@ from pathlib import Path
 
 import torch
 
+from grpogate.inputs.policy import cache_root
+
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 MAX_GROUP = 8  # query heads per KV head the attention kernel is built for (native_kernels.cpp)
 _VOID, _LONG, _FLOAT, _INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("GRPOGATE_CACHE", Path.home() / ".cache" / "grpogate")) / "native"
 
 
 def _cpu_flags() -> str:
@@ -57,7 +55,7 @@ def _build() -> Path | None:
         return None
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS),
                                     _cpu_flags()]).encode()).hexdigest()[:24]
-    target = _cache_dir() / f"kernels-{key}.so"
+    target = cache_root() / "native" / f"kernels-{key}.so"
     if target.is_file():
         return target
     try:
@@ -131,7 +129,8 @@ class NativeKernels:
             prompt_values.data_ptr(), own_keys.data_ptr(), own_values.data_ptr(), out.data_ptr())
         if refused:  # `covers` is asked first; this is the kernel's own guard
             raise ValueError(f"native decode attention not built for {heads} heads over "
-                             f"{kv_heads} KV heads, span {prompt_keys.shape[-1]}")
+                             f"{kv_heads} KV heads of {head_dim}, {prompt_keys.shape[-1]} "
+                             f"prompt and {capacity} own columns")
         return out
 
     @staticmethod
@@ -162,8 +161,9 @@ def native_kernels(dtype: torch.dtype, device: torch.device) -> NativeKernels | 
 
 
 def kernels_identity(dtype: torch.dtype, device: torch.device) -> str:
-    """What the evidence's environment records: the build the decode step uses (its source,
-    compiler and CPU flags, as a key) or "none". A replay elsewhere compares it: another build
-    may round differently, so bit-identical samples are not promised across two."""
+    """What the evidence's environment records: the build this process's lean decode step
+    uses where it covers the model (its key: source, compiler, CPU flags), or "none". A replay
+    elsewhere compares it: another build may round differently, so bit-identical samples are
+    not promised across two. Which step decoded is each step's own `decode_path`."""
     kernels = native_kernels(dtype, device)
     return "none" if kernels is None else kernels.identity

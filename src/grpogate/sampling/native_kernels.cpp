@@ -56,7 +56,7 @@ struct F32 {
 
 constexpr int LANES = 16;
 
-// The largest of x[0..n), and their sum in sixteen partial sums combined in a fixed tree.
+// The largest of x[0..n).
 inline float max_of(const float* x, long n) {
   float top[LANES];
   for (int k = 0; k < LANES; ++k) top[k] = -INFINITY;
@@ -68,15 +68,22 @@ inline float max_of(const float* x, long n) {
   return top[0];
 }
 
-inline float sum_of(const float* x, long n) {
+// The sum of term(i) over i < n in sixteen partial sums combined in a fixed tree: one order
+// for every vector width the compiler picks.
+template <class Term>
+inline float lane_sum(long n, Term term) {
   float acc[LANES] = {0.f};
   long i = 0;
   for (; i + LANES <= n; i += LANES)
-    for (int k = 0; k < LANES; ++k) acc[k] += x[i + k];
-  for (int k = 0; i < n; ++i, ++k) acc[k] += x[i];
+    for (int k = 0; k < LANES; ++k) acc[k] += term(i + k);
+  for (int k = 0; i < n; ++i, ++k) acc[k] += term(i);
   for (int width = LANES / 2; width > 0; width /= 2)
     for (int k = 0; k < width; ++k) acc[k] += acc[k + width];
   return acc[0];
+}
+
+inline float sum_of(const float* x, long n) {
+  return lane_sum(n, [x](long i) { return x[i]; });
 }
 
 // e^x for x <= 88.3; 0 below -87.3 (a masked score, -1e30, gives exactly 0 as in torch).
@@ -105,21 +112,12 @@ inline float exp_f32(float x) {
 template <class E>
 inline void norm_row(const typename E::T* x, const typename E::T* weight, typename E::T* out,
                      long dim, float eps) {
-  float acc[LANES] = {0.f};
-  long i = 0;
-  for (; i + LANES <= dim; i += LANES)
-    for (int k = 0; k < LANES; ++k) {
-      const float v = E::load(x[i + k]);
-      acc[k] += v * v;
-    }
-  for (int k = 0; i < dim; ++i, ++k) {
+  const float squares = lane_sum(dim, [x](long i) {
     const float v = E::load(x[i]);
-    acc[k] += v * v;
-  }
-  for (int width = LANES / 2; width > 0; width /= 2)
-    for (int k = 0; k < width; ++k) acc[k] += acc[k + width];
-  const float inverse = 1.0f / std::sqrt(acc[0] / float(dim) + eps);
-  for (i = 0; i < dim; ++i)
+    return v * v;
+  });
+  const float inverse = 1.0f / std::sqrt(squares / float(dim) + eps);
+  for (long i = 0; i < dim; ++i)
     out[i] = E::store(E::load(weight[i]) * E::round(E::load(x[i]) * inverse));
 }
 
