@@ -206,3 +206,27 @@ def test_token_logprobs_entropy_by_hand():
     assert logp[0].tolist() == pytest.approx([-math.log(4), 1 - math.log(e + 3)], abs=1e-6)
     assert entropy[0][0].tolist() == pytest.approx(
         [math.log(4), math.log(e + 3) - e / (e + 3)], abs=1e-6)
+
+
+def test_token_logprobs_chunks_give_the_unchunked_values_and_gradients():
+    """Chunks of 1, 2 or all 5 positions: the same log-probs as a full log-softmax and the same
+    gradient (its backward concatenates the chunks' gradients; a position's is p - onehot over
+    the temperature). Hand case at T = 2, logits [0, ln 3 * 2] picking token 1: z / T = [0,
+    ln 3], p = [1/4, 3/4], log-prob ln(3/4), d logp / d logits = (onehot - p) / T = [-1/8, 1/8]."""
+    logits = torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 7, (2, 5), generator=torch.Generator().manual_seed(1))
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    for chunk in (1, 2, 5):
+        x = logits.clone().requires_grad_(True)
+        logp = token_logprobs(x, tokens, 0.7, chunk)
+        (grad,) = torch.autograd.grad(logp.sum(), x)
+        y = logits.clone().requires_grad_(True)
+        (reference,) = torch.autograd.grad(
+            torch.log_softmax(y / 0.7, -1).gather(-1, tokens[..., None]).sum(), y)
+        assert torch.allclose(logp, expected, atol=1e-6)
+        assert torch.allclose(grad, reference, atol=1e-6)
+    x = torch.tensor([[[0.0, 2 * math.log(3)]]], requires_grad=True)
+    logp = token_logprobs(x, torch.tensor([[1]]), 2.0, chunk=1)
+    assert logp.item() == pytest.approx(math.log(3 / 4), abs=1e-6)
+    (grad,) = torch.autograd.grad(logp.sum(), x)
+    assert grad[0, 0].tolist() == pytest.approx([-1 / 8, 1 / 8], abs=1e-6)

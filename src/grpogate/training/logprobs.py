@@ -35,25 +35,36 @@ def right_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Te
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
                     chunk: int, entropy: list | None = None) -> torch.Tensor:
-    """logits [N, T, V], token_ids [N, T] -> log-probs [N, T] of the chosen tokens.
+    """logits [N, T, V], token_ids [N, T] -> log-probs [N, T] of the chosen tokens: the chosen
+    token's logit over the temperature minus its position's `normalizers`. If `entropy` is a
+    list, the detached entropy [N, T] of each position's distribution at `temperature` is
+    appended to it."""
+    chosen = logits.gather(-1, token_ids[..., None]).squeeze(-1).float() / temperature
+    return chosen - normalizers(logits, temperature, chunk, entropy)
 
-    The chosen token's logit minus a logsumexp, chunk by chunk over the sequence: no
-    full-vocabulary log-softmax copy of the batch is ever materialized. If `entropy` is a list,
-    the detached entropy [N, T] of each position's distribution at `temperature` is appended to
-    it (logsumexp - sum p * z, computed from the same chunk: no second pass over the logits).
-    """
+
+def normalizers(logits: torch.Tensor, temperature: float, chunk: int,
+                entropy: list | None = None) -> torch.Tensor:
+    """logits [..., R, V] -> logsumexp(logits / temperature) [..., R], `chunk` positions at a
+    time: no full-vocabulary float32 copy of the batch is ever materialized. If `entropy` is a
+    list, the detached entropy [..., R] is appended to it (logsumexp - sum p * z, from the same
+    chunk: no second pass over the logits).
+
+    The chunks are one `split`, whose backward concatenates their gradients once; slicing
+    each chunk out instead gave every chunk's backward a zero-filled gradient of the whole
+    [..., R, V] to add into (measured with bf16 kernels: 17 fills and 16 adds of 100 MB for one
+    micro-batch of 1,027 completion tokens, about 1.1 s of its 5 s)."""
     pieces, entropies = [], []
-    for start in range(0, token_ids.shape[1], chunk):
-        block = logits[:, start:start + chunk].float() / temperature
-        chosen = block.gather(-1, token_ids[:, start:start + chunk, None]).squeeze(-1)
+    for block in logits.split(chunk, dim=-2):
+        block = block.float() / temperature
         normalizer = torch.logsumexp(block, dim=-1)
-        pieces.append(chosen - normalizer)
+        pieces.append(normalizer)
         if entropy is not None:
             with torch.no_grad():
                 entropies.append(normalizer - (torch.softmax(block, dim=-1) * block).sum(-1))
     if entropy is not None:
-        entropy.append(torch.cat(entropies, dim=1))
-    return torch.cat(pieces, dim=1)
+        entropy.append(torch.cat(entropies, dim=-1))
+    return torch.cat(pieces, dim=-1)
 
 
 @dataclass
@@ -214,15 +225,18 @@ def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 6
     logits = model(input_ids=packed.input_ids, attention_mask=mask,
                    position_ids=packed.position_ids, use_cache=False,
                    logits_to_keep=packed.logit_positions).logits  # [1, U, V]
+    # The normalizers once per predicting position, then picked per completion token: a
+    # position that predicts the first token of all G completions is not copied G times.
+    logits = logits[0]  # [U, V]
     targets = packed.completion_ids[packed.rows, packed.columns]  # [M]
     pieces = [] if entropy is not None else None
-    values = token_logprobs(logits[:, packed.logit_index], targets[None], temperature, chunk,
-                            pieces)[0]  # [M]
+    chosen = logits[packed.logit_index, targets].float() / temperature  # [M]
+    values = chosen - normalizers(logits, temperature, chunk, pieces)[packed.logit_index]
     out = values.new_zeros(packed.completion_ids.shape)
     out = out.index_put((packed.rows, packed.columns), values)  # [N, T], differentiable
     if entropy is not None:
         entropy.append(out.detach().new_zeros(out.shape).index_put(
-            (packed.rows, packed.columns), pieces[0][0]))
+            (packed.rows, packed.columns), pieces[0][packed.logit_index]))
     return out
 
 
