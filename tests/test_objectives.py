@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from grpogate.training.advantages import group_advantages
-from grpogate.training.logprobs import token_logprobs
+from grpogate.training.logprobs import picked_logprobs, token_logprobs
 from grpogate.training.objectives import (aggregate_loss, high_entropy_mask, kl_penalty,
                                           loss_denominator, mismatch_terms, policy_token_terms,
                                           rollout_correction_weights)
@@ -230,3 +230,35 @@ def test_token_logprobs_chunks_give_the_unchunked_values_and_gradients():
     assert logp.item() == pytest.approx(math.log(3 / 4), abs=1e-6)
     (grad,) = torch.autograd.grad(logp.sum(), x)
     assert grad[0, 0].tolist() == pytest.approx([-1 / 8, 1 / 8], abs=1e-6)
+
+
+def test_picked_logprobs_share_a_position_among_the_tokens_it_predicts():
+    """Positions [2, 0, 0, 3, 1] of 4 (position 0 predicts two tokens, as a group's last prompt
+    position predicts every completion's first): values, entropies and gradient equal a full
+    log-softmax's, in M's order, for chunks of 1, 3 and 4. Hand case at T = 1, one position
+    with logits [0, ln 3] predicting tokens 1 and 0: log-probs ln(3/4) and ln(1/4), p = [1/4,
+    3/4]; gradient of their sum: onehot(1) + onehot(0) - 2p = [1 - 1/2, 1 - 3/2] = [1/2, -1/2];
+    entropy -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.5623 for both."""
+    logits = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    index = torch.tensor([2, 0, 0, 3, 1])
+    tokens = torch.tensor([5, 1, 4, 0, 2])
+    full = torch.log_softmax(logits / 0.7, -1)
+    expected = full[index, tokens]
+    expected_entropy = -(full.exp() * full).sum(-1)[index]
+    y = logits.clone().requires_grad_(True)
+    (reference,) = torch.autograd.grad(torch.log_softmax(y / 0.7, -1)[index, tokens].sum(), y)
+    for chunk in (1, 3, 4):
+        x = logits.clone().requires_grad_(True)
+        entropy = []
+        logp = picked_logprobs(x, index, tokens, 0.7, chunk, entropy)
+        (grad,) = torch.autograd.grad(logp.sum(), x)
+        assert torch.allclose(logp, expected, atol=1e-6)
+        assert torch.allclose(entropy[0], expected_entropy, atol=1e-6)
+        assert torch.allclose(grad, reference, atol=1e-6)
+    x = torch.tensor([[0.0, math.log(3)]], requires_grad=True)
+    entropy = []
+    logp = picked_logprobs(x, torch.tensor([0, 0]), torch.tensor([1, 0]), 1.0, 1, entropy)
+    assert logp.tolist() == pytest.approx([math.log(3 / 4), math.log(1 / 4)], abs=1e-6)
+    assert entropy[0].tolist() == pytest.approx([0.5623351, 0.5623351], abs=1e-6)
+    (grad,) = torch.autograd.grad(logp.sum(), x)
+    assert grad[0].tolist() == pytest.approx([0.5, -0.5], abs=1e-6)

@@ -34,37 +34,65 @@ def right_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Te
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
-                    chunk: int, entropy: list | None = None) -> torch.Tensor:
-    """logits [N, T, V], token_ids [N, T] -> log-probs [N, T] of the chosen tokens: the chosen
-    token's logit over the temperature minus its position's `normalizers`. If `entropy` is a
-    list, the detached entropy [N, T] of each position's distribution at `temperature` is
-    appended to it."""
-    chosen = logits.gather(-1, token_ids[..., None]).squeeze(-1).float() / temperature
-    return chosen - normalizers(logits, temperature, chunk, entropy)
+                   chunk: int, entropy: list | None = None) -> torch.Tensor:
+    """logits [N, T, V], token_ids [N, T] -> log-probs [N, T] of the chosen tokens.
 
+    The chosen token's logit minus a logsumexp, `chunk` positions at a time: no full-vocabulary
+    float32 copy of the batch is ever materialized. If `entropy` is a list, the detached entropy
+    [N, T] of each position's distribution at `temperature` is appended to it (logsumexp -
+    sum p * z, from the same chunk: no second pass over the logits).
 
-def normalizers(logits: torch.Tensor, temperature: float, chunk: int,
-                entropy: list | None = None) -> torch.Tensor:
-    """logits [..., R, V] -> logsumexp(logits / temperature) [..., R], `chunk` positions at a
-    time: no full-vocabulary float32 copy of the batch is ever materialized. If `entropy` is a
-    list, the detached entropy [..., R] is appended to it (logsumexp - sum p * z, from the same
-    chunk: no second pass over the logits).
-
-    The chunks are one `split`, whose backward concatenates their gradients once; slicing
-    each chunk out instead gave every chunk's backward a zero-filled gradient of the whole
-    [..., R, V] to add into (measured with bf16 kernels: 17 fills and 16 adds of 100 MB for one
-    micro-batch of 1,027 completion tokens, about 1.1 s of its 5 s)."""
+    The chunks are one `split`, whose backward concatenates their gradients once; slicing each
+    chunk out instead gave every chunk's backward a zero-filled gradient of the whole
+    [N, T, V] to add into (measured with bf16 kernels: 17 fills and 16 adds of 100 MB for one
+    micro-batch of 1,027 completion tokens, about 1.1 s of its 5 s). The chosen logit is taken
+    from the float32 chunk, so its gradient and the normalizer's meet in float32 and are
+    rounded to the logits' dtype once.
+    """
     pieces, entropies = [], []
-    for block in logits.split(chunk, dim=-2):
+    for block, ids in zip(logits.split(chunk, dim=1), token_ids.split(chunk, dim=1)):
         block = block.float() / temperature
         normalizer = torch.logsumexp(block, dim=-1)
-        pieces.append(normalizer)
+        pieces.append(block.gather(-1, ids[..., None]).squeeze(-1) - normalizer)
         if entropy is not None:
-            with torch.no_grad():
-                entropies.append(normalizer - (torch.softmax(block, dim=-1) * block).sum(-1))
+            entropies.append(block_entropy(block, normalizer))
     if entropy is not None:
-        entropy.append(torch.cat(entropies, dim=-1))
-    return torch.cat(pieces, dim=-1)
+        entropy.append(torch.cat(entropies, dim=1))
+    return torch.cat(pieces, dim=1)
+
+
+def picked_logprobs(logits: torch.Tensor, index: torch.Tensor, token_ids: torch.Tensor,
+                    temperature: float, chunk: int,
+                    entropy: list | None = None) -> torch.Tensor:
+    """logits [U, V], index [M] into U, token_ids [M] -> log-probs [M] of token m at position
+    index[m], as `token_logprobs` computes them (float32 chunks of `chunk` positions, one
+    split), with each position's logsumexp computed once however many tokens it predicts:
+    in a packed row the position before a group's completions predicts all G first tokens.
+    `entropy`: as in `token_logprobs`, [M]."""
+    order = torch.argsort(index, stable=True)
+    ordered = index[order]  # ascending: each chunk's tokens are one slice of it
+    starts = torch.arange(0, logits.shape[0] + chunk, chunk, device=index.device)
+    bounds = torch.searchsorted(ordered, starts).tolist()
+    pieces, entropies = [], []
+    for c, block in enumerate(logits.split(chunk, dim=0)):
+        lo, hi = bounds[c], bounds[c + 1]
+        local = ordered[lo:hi] - c * chunk
+        block = block.float() / temperature
+        normalizer = torch.logsumexp(block, dim=-1)
+        pieces.append(block[local, token_ids[order[lo:hi]]] - normalizer[local])
+        if entropy is not None:
+            entropies.append(block_entropy(block, normalizer)[local])
+    values = torch.cat(pieces)
+    if entropy is not None:
+        entropy.append(torch.cat(entropies).new_zeros(index.shape).index_put(
+            (order,), torch.cat(entropies)))
+    return values.new_zeros(index.shape).index_put((order,), values)  # back to M's order
+
+
+def block_entropy(block: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
+    """Detached entropy of softmax(block) per position, from its logsumexp."""
+    with torch.no_grad():
+        return normalizer - (torch.softmax(block, dim=-1) * block).sum(-1)
 
 
 @dataclass
@@ -225,18 +253,15 @@ def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 6
     logits = model(input_ids=packed.input_ids, attention_mask=mask,
                    position_ids=packed.position_ids, use_cache=False,
                    logits_to_keep=packed.logit_positions).logits  # [1, U, V]
-    # The normalizers once per predicting position, then picked per completion token: a
-    # position that predicts the first token of all G completions is not copied G times.
-    logits = logits[0]  # [U, V]
     targets = packed.completion_ids[packed.rows, packed.columns]  # [M]
     pieces = [] if entropy is not None else None
-    chosen = logits[packed.logit_index, targets].float() / temperature  # [M]
-    values = chosen - normalizers(logits, temperature, chunk, pieces)[packed.logit_index]
+    values = picked_logprobs(logits[0], packed.logit_index, targets, temperature, chunk,
+                             pieces)  # [M]
     out = values.new_zeros(packed.completion_ids.shape)
     out = out.index_put((packed.rows, packed.columns), values)  # [N, T], differentiable
     if entropy is not None:
         entropy.append(out.detach().new_zeros(out.shape).index_put(
-            (packed.rows, packed.columns), pieces[0][packed.logit_index]))
+            (packed.rows, packed.columns), pieces[0]))
     return out
 
 
