@@ -208,10 +208,20 @@ def test_token_logprobs_entropy_by_hand():
         [math.log(4), math.log(e + 3) - e / (e + 3)], abs=1e-6)
 
 
-def test_token_logprobs_chunks_give_the_unchunked_values_and_gradients():
-    """Chunks of 1, 2 or all 5 positions: the same log-probs as a full log-softmax and the same
-    gradient (its backward concatenates the chunks' gradients; a position's is p - onehot over
-    the temperature). Hand case at T = 2, logits [0, ln 3 * 2] picking token 1: z / T = [0,
+@pytest.fixture(params=["native", "torch"])
+def head(request, monkeypatch):
+    """The log-prob head on the native kernels (where this machine builds them) or in torch."""
+    from grpogate.sampling import native
+    if request.param == "torch":
+        monkeypatch.setenv("GRPOGATE_NATIVE", "0")
+    elif native.native_kernels(torch.float32, torch.device("cpu")) is None:
+        pytest.skip("no C++ compiler with OpenMP on this machine: only the torch head runs")
+    return request.param
+
+
+def test_token_logprobs_chunks_give_the_unchunked_values_and_gradients(head):
+    """Either head, chunks of 1, 2 or all 5 positions: the same log-probs as a full log-softmax
+    and the same gradient (a position's is onehot - p over the temperature). Hand case at T = 2, logits [0, ln 3 * 2] picking token 1: z / T = [0,
     ln 3], p = [1/4, 3/4], log-prob ln(3/4), d logp / d logits = (onehot - p) / T = [-1/8, 1/8]."""
     logits = torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(0))
     tokens = torch.randint(0, 7, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -232,8 +242,8 @@ def test_token_logprobs_chunks_give_the_unchunked_values_and_gradients():
     assert grad[0, 0].tolist() == pytest.approx([-1 / 8, 1 / 8], abs=1e-6)
 
 
-def test_picked_logprobs_share_a_position_among_the_tokens_it_predicts():
-    """Positions [2, 0, 0, 3, 1] of 4 (position 0 predicts two tokens, as a group's last prompt
+def test_picked_logprobs_share_a_position_among_the_tokens_it_predicts(head):
+    """Either head. Positions [2, 0, 0, 3, 1] of 4 (position 0 predicts two tokens, as a group's last prompt
     position predicts every completion's first): values, entropies and gradient equal a full
     log-softmax's, in M's order, for chunks of 1, 3 and 4. Hand case at T = 1, one position
     with logits [0, ln 3] predicting tokens 1 and 0: log-probs ln(3/4) and ln(1/4), p = [1/4,

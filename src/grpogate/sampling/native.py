@@ -1,4 +1,5 @@
-"""Native kernels for the lean decoder's decode step: built once per machine, optional.
+"""Native kernels for the lean decoder's decode step and the update's log-prob head: built
+once per machine, optional.
 
 `native_kernels()` compiles native_kernels.cpp with the system C++ compiler the first time it
 is asked on a machine (about 3 s), keeps the shared library in the cache directory
@@ -6,7 +7,7 @@ is asked on a machine (about 3 s), keeps the shared library in the cache directo
 and the CPU's flags, and loads it through ctypes. Where there is no compiler, the build fails,
 the dtype is neither bfloat16 nor float32, or `GRPOGATE_NATIVE=0` is set, it returns None and
 the decoder runs its torch operations instead (decoding.LeanStepper records which ran: `lean`
-or `lean-native`). The library holds only our own source; nothing a run directory names is
+or `lean-native`), and so does the update's log-prob head (training.logprobs). The library holds only our own source; nothing a run directory names is
 ever built or loaded here.
 """
 
@@ -73,7 +74,7 @@ def _build() -> Path | None:
 
 
 class NativeKernels:
-    """The four kernels on contiguous CPU tensors of one dtype (bfloat16 or float32)."""
+    """The kernels on contiguous CPU tensors of one dtype (bfloat16 or float32)."""
 
     def __init__(self, library: ctypes.CDLL, identity: str):
         self.library, self.identity = library, identity  # identity: the build's file name
@@ -82,7 +83,12 @@ class NativeKernels:
                                                   _LONG, _FLOAT]
         library.grpogate_silu_mul.argtypes = [_INT, _VOID, _VOID, _LONG, _LONG]
         library.grpogate_decode_attention.argtypes = [_INT] + [_LONG] * 7 + [_FLOAT] + [_VOID] * 11
-        for function in ("grpogate_rms_norm", "grpogate_add_rms_norm", "grpogate_silu_mul"):
+        library.grpogate_row_logsumexp.argtypes = [_INT, _VOID, _LONG, _LONG, _FLOAT, _VOID,
+                                                   _VOID]
+        library.grpogate_logprob_backward.argtypes = [_INT, _VOID, _VOID, _LONG, _LONG, _FLOAT,
+                                                      _VOID, _VOID, _VOID, _VOID, _VOID]
+        for function in ("grpogate_rms_norm", "grpogate_add_rms_norm", "grpogate_silu_mul",
+                         "grpogate_row_logsumexp", "grpogate_logprob_backward"):
             getattr(library, function).restype = None
         library.grpogate_decode_attention.restype = _INT
 
@@ -131,6 +137,32 @@ class NativeKernels:
             raise ValueError(f"native decode attention not built for {heads} heads over "
                              f"{kv_heads} KV heads of {head_dim}, {prompt_keys.shape[-1]} "
                              f"prompt and {capacity} own columns")
+        return out
+
+    def row_logsumexp(self, logits: torch.Tensor, temperature: float,
+                      entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [R, V] -> float32 logsumexp(logits / temperature) [R] and, if asked, the
+        entropy [R] of softmax(logits / temperature)."""
+        rows, vocab = logits.shape
+        lse = torch.empty(rows, dtype=torch.float32)
+        spread = torch.empty(rows, dtype=torch.float32) if entropy else None
+        self.library.grpogate_row_logsumexp(DTYPES[logits.dtype], logits.data_ptr(), rows, vocab,
+                                            temperature, lse.data_ptr(),
+                                            spread.data_ptr() if entropy else None)
+        return lse, spread
+
+    def logprob_backward(self, logits: torch.Tensor, lse: torch.Tensor, temperature: float,
+                         offsets: torch.Tensor, order: torch.Tensor, targets: torch.Tensor,
+                         grad: torch.Tensor) -> torch.Tensor:
+        """The gradient [R, V] (the logits' dtype) of values[m] = logits[u, targets[m]] / T -
+        lse[u] for the tokens m of each row u, listed in order[offsets[u]:offsets[u + 1]]
+        (int64), given float32 d loss / d values `grad` [M]."""
+        rows, vocab = logits.shape
+        out = torch.empty_like(logits)
+        self.library.grpogate_logprob_backward(
+            DTYPES[logits.dtype], logits.data_ptr(), lse.data_ptr(), rows, vocab, temperature,
+            offsets.data_ptr(), order.data_ptr(), targets.data_ptr(), grad.data_ptr(),
+            out.data_ptr())
         return out
 
     @staticmethod

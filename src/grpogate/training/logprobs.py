@@ -10,6 +10,11 @@ sequence by tests (tests/reference_logprobs.py):
   only where a completion token is predicted.
 Shapes: n groups, N = n * G sequences, P prompt columns (left-padded), T completion columns
 (right-padded), L packed positions, M completion tokens.
+
+The log-prob head (logsumexp over the vocabulary, its backward) runs on the native kernels
+where they are built for the logits (sampling.native: a CPU, bfloat16 or float32): each row
+of logits read twice forward and once backward, no float32 copy. Elsewhere it runs in torch,
+`chunk` positions at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from grpogate.sampling.decoding import WIDTH_BUCKET, cache_keyword, left_pad, round_up
+from grpogate.sampling.native import native_kernels
 
 
 def right_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +55,15 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: f
     from the float32 chunk, so its gradient and the normalizer's meet in float32 and are
     rounded to the logits' dtype once.
     """
+    if native_kernels(logits.dtype, logits.device) is not None:
+        rows, width, vocab = logits.shape
+        flat = [] if entropy is not None else None
+        values = picked_logprobs(logits.reshape(rows * width, vocab),
+                                 torch.arange(rows * width, device=logits.device),
+                                 token_ids.reshape(-1), temperature, chunk, flat)
+        if entropy is not None:
+            entropy.append(flat[0].view(rows, width))
+        return values.view(rows, width)
     pieces, entropies = [], []
     for block, ids in zip(logits.split(chunk, dim=1), token_ids.split(chunk, dim=1)):
         block = block.float() / temperature
@@ -69,6 +84,13 @@ def picked_logprobs(logits: torch.Tensor, index: torch.Tensor, token_ids: torch.
     split), with each position's logsumexp computed once however many tokens it predicts:
     in a packed row the position before a group's completions predicts all G first tokens.
     `entropy`: as in `token_logprobs`, [M]."""
+    kernels = native_kernels(logits.dtype, logits.device)
+    if kernels is not None:
+        values, spread = NativeLogProbs.apply(logits.contiguous(), index, token_ids,
+                                              temperature, kernels, entropy is not None)
+        if entropy is not None:
+            entropy.append(spread)
+        return values
     order = torch.argsort(index, stable=True)
     ordered = index[order]  # ascending: each chunk's tokens are one slice of it
     starts = torch.arange(0, logits.shape[0] + chunk, chunk, device=index.device)
@@ -87,6 +109,32 @@ def picked_logprobs(logits: torch.Tensor, index: torch.Tensor, token_ids: torch.
         entropy.append(torch.cat(entropies).new_zeros(index.shape).index_put(
             (order,), torch.cat(entropies)))
     return values.new_zeros(index.shape).index_put((order,), values)  # back to M's order
+
+
+class NativeLogProbs(torch.autograd.Function):
+    """`picked_logprobs` on the native log-prob head. Forward: each row's logsumexp (and
+    entropy) in float32 from the logits as they are; backward: the logits' gradient, each
+    element (its chosen-token part and its normalizer part together) in float32, rounded to
+    the logits' dtype once. The logits themselves are what it keeps for the backward."""
+
+    @staticmethod
+    def forward(ctx, logits, index, token_ids, temperature, kernels, want_entropy):
+        lse, spread = kernels.row_logsumexp(logits, temperature, want_entropy)
+        values = logits[index, token_ids].float() / temperature - lse[index]
+        ctx.save_for_backward(logits, lse, index, token_ids)
+        ctx.temperature, ctx.kernels = temperature, kernels
+        picked = spread[index] if want_entropy else values.new_zeros(0)
+        ctx.mark_non_differentiable(picked)
+        return values, picked
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        logits, lse, index, token_ids = ctx.saved_tensors
+        order = torch.argsort(index, stable=True)  # each row's tokens as one slice
+        offsets = torch.searchsorted(index[order], torch.arange(logits.shape[0] + 1))
+        out = ctx.kernels.logprob_backward(logits, lse, ctx.temperature, offsets, order,
+                                           token_ids.contiguous(), grad.float().contiguous())
+        return out, None, None, None, None, None
 
 
 def block_entropy(block: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
