@@ -194,7 +194,8 @@ def native_kernels(dtype: torch.dtype, device: torch.device) -> NativeKernels | 
 
 def kernels_identity(dtype: torch.dtype, device: torch.device) -> str:
     """What the evidence's environment records: the build this process's lean decode step
-    uses where it covers the model (its key: source, compiler, CPU flags), or "none". A replay
+    (where it covers the model) and update log-prob head use (its key: source, compiler, CPU
+    flags), or "none". A replay
     elsewhere compares it: another build may round differently, so bit-identical samples are
     not promised across two. Which step decoded is each step's own `decode_path`."""
     kernels = native_kernels(dtype, device)
