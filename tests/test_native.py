@@ -1,6 +1,6 @@
-"""The native kernels (the decode step's and the update's log-prob head): hand-computed values, rows independent of their batch, the
-same logits and samples as the torch operations they replace, and the torch path wherever the
-kernels do not build or do not apply."""
+"""The native kernels (the decode step's and the update's log-prob head): hand-computed
+values, rows independent of their batch, the same logits and samples as the torch operations
+they replace, and the torch path wherever the kernels do not build or do not apply."""
 
 from __future__ import annotations
 

@@ -221,8 +221,9 @@ def head(request, monkeypatch):
 
 def test_token_logprobs_chunks_give_the_unchunked_values_and_gradients(head):
     """Either head, chunks of 1, 2 or all 5 positions: the same log-probs as a full log-softmax
-    and the same gradient (a position's is onehot - p over the temperature). Hand case at T = 2, logits [0, ln 3 * 2] picking token 1: z / T = [0,
-    ln 3], p = [1/4, 3/4], log-prob ln(3/4), d logp / d logits = (onehot - p) / T = [-1/8, 1/8]."""
+    and the same gradient (a position's is onehot - p over the temperature). Hand case at
+    T = 2, logits [0, ln 3 * 2] picking token 1: z / T = [0, ln 3], p = [1/4, 3/4], log-prob
+    ln(3/4), d logp / d logits = (onehot - p) / T = [-1/8, 1/8]."""
     logits = torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(0))
     tokens = torch.randint(0, 7, (2, 5), generator=torch.Generator().manual_seed(1))
     expected = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
@@ -243,12 +244,12 @@ def test_token_logprobs_chunks_give_the_unchunked_values_and_gradients(head):
 
 
 def test_picked_logprobs_share_a_position_among_the_tokens_it_predicts(head):
-    """Either head. Positions [2, 0, 0, 3, 1] of 4 (position 0 predicts two tokens, as a group's last prompt
-    position predicts every completion's first): values, entropies and gradient equal a full
-    log-softmax's, in M's order, for chunks of 1, 3 and 4. Hand case at T = 1, one position
-    with logits [0, ln 3] predicting tokens 1 and 0: log-probs ln(3/4) and ln(1/4), p = [1/4,
-    3/4]; gradient of their sum: onehot(1) + onehot(0) - 2p = [1 - 1/2, 1 - 3/2] = [1/2, -1/2];
-    entropy -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.5623 for both."""
+    """Either head. Positions [2, 0, 0, 3, 1] of 4 (position 0 predicts two tokens, as a
+    group's last prompt position predicts every completion's first): values, entropies and
+    gradient equal a full log-softmax's, in M's order, for chunks of 1, 3 and 4. Hand case at
+    T = 1, one position with logits [0, ln 3] predicting tokens 1 and 0: log-probs ln(3/4)
+    and ln(1/4), p = [1/4, 3/4]; gradient of their sum: onehot(1) + onehot(0) - 2p =
+    [1 - 1/2, 1 - 3/2] = [1/2, -1/2]; entropy -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.5623 for both."""
     logits = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
     index = torch.tensor([2, 0, 0, 3, 1])
     tokens = torch.tensor([5, 1, 4, 0, 2])

@@ -7,8 +7,8 @@ is asked on a machine (about 3 s), keeps the shared library in the cache directo
 and the CPU's flags, and loads it through ctypes. Where there is no compiler, the build fails,
 the dtype is neither bfloat16 nor float32, or `GRPOGATE_NATIVE=0` is set, it returns None and
 the decoder runs its torch operations instead (decoding.LeanStepper records which ran: `lean`
-or `lean-native`), and so does the update's log-prob head (training.logprobs). The library holds only our own source; nothing a run directory names is
-ever built or loaded here.
+or `lean-native`), and so does the update's log-prob head (training.logprobs). The library
+holds only our own source; nothing a run directory names is ever built or loaded here.
 """
 
 from __future__ import annotations
@@ -195,8 +195,8 @@ def native_kernels(dtype: torch.dtype, device: torch.device) -> NativeKernels | 
 def kernels_identity(dtype: torch.dtype, device: torch.device) -> str:
     """What the evidence's environment records: the build this process's lean decode step
     (where it covers the model) and update log-prob head use (its key: source, compiler, CPU
-    flags), or "none". A replay
-    elsewhere compares it: another build may round differently, so bit-identical samples are
-    not promised across two. Which step decoded is each step's own `decode_path`."""
+    flags), or "none". A replay elsewhere compares it: another build may round differently,
+    so bit-identical samples are not promised across two. Which step decoded is each step's
+    own `decode_path`."""
     kernels = native_kernels(dtype, device)
     return "none" if kernels is None else kernels.identity

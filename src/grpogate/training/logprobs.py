@@ -41,39 +41,19 @@ def right_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Te
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float,
                    chunk: int, entropy: list | None = None) -> torch.Tensor:
-    """logits [N, T, V], token_ids [N, T] -> log-probs [N, T] of the chosen tokens.
-
-    The chosen token's logit minus a logsumexp, `chunk` positions at a time: no full-vocabulary
-    float32 copy of the batch is ever materialized. If `entropy` is a list, the detached entropy
-    [N, T] of each position's distribution at `temperature` is appended to it (logsumexp -
-    sum p * z, from the same chunk: no second pass over the logits).
-
-    The chunks are one `split`, whose backward concatenates their gradients once; slicing each
-    chunk out instead gave every chunk's backward a zero-filled gradient of the whole
-    [N, T, V] to add into (measured with bf16 kernels: 17 fills and 16 adds of 100 MB for one
-    micro-batch of 1,027 completion tokens, about 1.1 s of its 5 s). The chosen logit is taken
-    from the float32 chunk, so its gradient and the normalizer's meet in float32 and are
-    rounded to the logits' dtype once.
-    """
-    if native_kernels(logits.dtype, logits.device) is not None:
-        rows, width, vocab = logits.shape
-        flat = [] if entropy is not None else None
-        values = picked_logprobs(logits.reshape(rows * width, vocab),
-                                 torch.arange(rows * width, device=logits.device),
-                                 token_ids.reshape(-1), temperature, chunk, flat)
-        if entropy is not None:
-            entropy.append(flat[0].view(rows, width))
-        return values.view(rows, width)
-    pieces, entropies = [], []
-    for block, ids in zip(logits.split(chunk, dim=1), token_ids.split(chunk, dim=1)):
-        block = block.float() / temperature
-        normalizer = torch.logsumexp(block, dim=-1)
-        pieces.append(block.gather(-1, ids[..., None]).squeeze(-1) - normalizer)
-        if entropy is not None:
-            entropies.append(block_entropy(block, normalizer))
+    """logits [N, T, V], token_ids [N, T] -> log-probs [N, T] of the chosen tokens: every
+    position predicts its own token, so this is `picked_logprobs` over the N * T positions,
+    N * chunk of them per float32 block (as much as `chunk` columns of all N rows). If
+    `entropy` is a list, the detached entropy [N, T] of each position's distribution at
+    `temperature` is appended to it."""
+    rows, width, vocab = logits.shape
+    flat = [] if entropy is not None else None
+    values = picked_logprobs(logits.reshape(rows * width, vocab),
+                             torch.arange(rows * width, device=logits.device),
+                             token_ids.reshape(-1), temperature, rows * chunk, flat)
     if entropy is not None:
-        entropy.append(torch.cat(entropies, dim=1))
-    return torch.cat(pieces, dim=1)
+        entropy.append(flat[0].view(rows, width))
+    return values.view(rows, width)
 
 
 def picked_logprobs(logits: torch.Tensor, index: torch.Tensor, token_ids: torch.Tensor,
@@ -83,7 +63,16 @@ def picked_logprobs(logits: torch.Tensor, index: torch.Tensor, token_ids: torch.
     index[m], as `token_logprobs` computes them (float32 chunks of `chunk` positions, one
     split), with each position's logsumexp computed once however many tokens it predicts:
     in a packed row the position before a group's completions predicts all G first tokens.
-    `entropy`: as in `token_logprobs`, [M]."""
+    If `entropy` is a list, the detached entropy [M] of each token's position is appended.
+
+    On the native kernels where they apply (`NativeLogProbs`); otherwise in torch, `chunk`
+    positions at a time: no full-vocabulary float32 copy of the logits is ever materialized.
+    The chunks are one `split`, whose backward concatenates their gradients once; slicing each
+    chunk out instead gave every chunk's backward a zero-filled gradient of the whole [U, V]
+    to add into (measured with bf16 kernels: 17 fills and 16 adds of 100 MB for one
+    micro-batch of 1,027 completion tokens, about 1.1 s of its 5 s). The chosen logit is taken
+    from the float32 chunk, so its gradient and the normalizer's meet in float32 and are
+    rounded to the logits' dtype once."""
     kernels = native_kernels(logits.dtype, logits.device)
     if kernels is not None:
         values, spread = NativeLogProbs.apply(logits.contiguous(), index, token_ids,
@@ -106,8 +95,8 @@ def picked_logprobs(logits: torch.Tensor, index: torch.Tensor, token_ids: torch.
             entropies.append(block_entropy(block, normalizer)[local])
     values = torch.cat(pieces)
     if entropy is not None:
-        entropy.append(torch.cat(entropies).new_zeros(index.shape).index_put(
-            (order,), torch.cat(entropies)))
+        spread = torch.cat(entropies)
+        entropy.append(spread.new_zeros(index.shape).index_put((order,), spread))
     return values.new_zeros(index.shape).index_put((order,), values)  # back to M's order
 
 
