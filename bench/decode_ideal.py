@@ -5,7 +5,7 @@ of the model (all layers' q, k, v, o, gate, up, down and the LM head). Timing ju
 with no attention, sampling or framework code around them, gives the tokens/s that generation
 could reach on this CPU if everything else were free; generation tokens/s divided by it is the
 generation peak fraction. The products are timed with every kernel grpogate's decoder can use
-(F.linear, and oneDNN on prepacked bfloat16 weights where the CPU has it), and the fastest
+(F.linear, and oneDNN on prepacked weights where the decoder prepacks them), and the fastest
 counts: an ideal slower than the decoder's own kernels would flatter the fraction.
 
     python bench/decode_ideal.py [--batch-size 64] [--threads N]   # prints the ideal as JSON
@@ -73,8 +73,9 @@ def decode_step_tokens_per_second(shapes: list[tuple[int, int]], batch_size: int
 
 
 def measure_ideal(load_dir: str, batch_size: int, threads: int, round_seconds: float = 1.0) -> dict:
-    """Time float32 and, where the CPU has bfloat16 kernels, bfloat16 with F.linear and with
-    prepacked weights; the fastest is the ideal. `by_dtype` keeps each dtype's fastest kernel."""
+    """Time float32 with F.linear and (where `can_prepack` says the decoder prepacks it) with
+    prepacked weights and, where the CPU has bfloat16 kernels, bfloat16 both ways; the fastest
+    is the ideal. `by_dtype` keeps each dtype's fastest kernel."""
     import torch
 
     from grpogate.sampling.lean_weights import bf16_kernels_available, can_prepack
@@ -82,6 +83,9 @@ def measure_ideal(load_dir: str, batch_size: int, threads: int, round_seconds: f
     torch.set_num_threads(threads)
     shapes = linear_shapes(load_dir)
     measured = [decode_step_tokens_per_second(shapes, batch_size, torch.float32, round_seconds)]
+    if can_prepack(torch.zeros(1)):
+        measured.append(decode_step_tokens_per_second(shapes, batch_size, torch.float32,
+                                                      round_seconds, packed=True))
     bf16 = bf16_kernels_available()
     if bf16:
         measured.append(decode_step_tokens_per_second(shapes, batch_size, torch.bfloat16, round_seconds))

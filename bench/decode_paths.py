@@ -3,10 +3,9 @@
     python bench/decode_paths.py [--rounds 3] [--paths lean,lean-plain,model] [--prompts 8] ...
 
 Paths: `lean` (decoding.LeanStepper, weights prepacked where the CPU allows, the native kernels
-where they build), `lean-torch` (the same with torch's operations around the products),
-`lean-plain` (that without prepacking) and `model` (decoding.ModelStepper, the model's own
-forward), on the
-benchmark's rollout workload: the bundled SmolLM2, chain_sum train prompts, G = 8, temperature
+where they build), `lean-unpacked` (the same without prepacking), `lean-torch` (`lean` with
+torch's operations around the products), `lean-plain` (that without prepacking) and `model`
+(decoding.ModelStepper, the model's own forward), on the benchmark's rollout workload: the bundled SmolLM2, chain_sum train prompts, G = 8, temperature
 1.0, the merged-LoRA sampling weights, the run's dtype. Each round samples the same prompts with
 every path, rotating which goes first, so machine noise falls on all; the decode ideal at the
 same batch (decode_ideal.py) is timed in the same process. Prints JSON: tokens/s per path and
@@ -56,6 +55,7 @@ def load_workload(args):
 
 
 PATHS = {"lean": {"lean": True, "pack": True},
+         "lean-unpacked": {"lean": True, "pack": False},
          "lean-torch": {"lean": True, "pack": True, "native": False},
          "lean-plain": {"lean": True, "pack": False, "native": False},
          "model": {"lean": False}}

@@ -165,9 +165,32 @@ def test_a_prompts_prefill_does_not_depend_on_the_prompts_beside_it(dtype):
         assert torch.equal(first_logits(prompts, row), alone)
 
 
-def test_float32_weights_are_never_prepacked():
+def test_float32_weights_are_prepacked_exactly_where_can_prepack_says():
     decoder = lean_decoder(tiny("llama"), pack=True)
-    assert not decoder.lm_head.is_mkldnn and not any(layer.qkv.is_mkldnn for layer in decoder.layers)
+    expected = can_prepack(torch.zeros(1))
+    assert decoder.lm_head.is_mkldnn == expected
+    assert all(layer.qkv.is_mkldnn == expected and layer.down.is_mkldnn == expected
+               for layer in decoder.layers)
+    assert not lean_decoder(tiny("llama"), pack=False).lm_head.is_mkldnn
+
+
+@pytest.mark.skipif(not can_prepack(torch.zeros(1)), reason="float32 weights are not prepacked here")
+def test_a_prepacked_float32_weight_rounds_within_float32_of_f_linear():
+    """oneDNN's float32 kernel is not MKL's: the sums' order differs, so results agree to
+    float32 rounding (a few ulps of the result), not to the bit."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 40, generator=generator)
+    bias = torch.randn(48, generator=generator)
+    packed = prepack(weight)
+    assert packed.is_mkldnn and not weight.is_mkldnn
+    for x in (torch.randn(7, 40, generator=generator), torch.randn(2, 9, 40, generator=generator)):
+        expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+        got = linear(x, packed, bias)
+        assert got.dtype == torch.float32 and got.shape == expected.shape
+        # |sum of 40 products| <= 40 x |x| |w|: float32's 2^-24 relative rounding per addition
+        # bounds the error by about 40 x 2^-24 x sum|x w|; 1e-5 relative to it is safe.
+        scale = (x.double().abs() @ weight.double().abs().T) + bias.double().abs()
+        assert ((got.double() - expected).abs() <= 1e-5 * scale).all()
 
 
 def test_shared_prefix_is_rounded_down_and_leaves_every_prompt_a_token():

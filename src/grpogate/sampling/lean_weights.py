@@ -1,13 +1,15 @@
 """The lean decoder's weights: the model's weight tensors as `LeanStepper` reads them.
 
-q/k/v and gate/up fused into one matrix each, the norms and biases beside them, and on a CPU
-with oneDNN bfloat16 kernels every matrix reordered once per rollout into the kernel's blocked
-layout ("prepacked"). `lean_decoder(model)` returns None for anything the lean path does not
-cover (decoding.py explains the path and its limits).
+q/k/v and gate/up fused into one matrix each, the norms and biases beside them, and every
+matrix reordered once per rollout into oneDNN's blocked layout ("prepacked") where oneDNN runs
+the dtype fast: bfloat16 on a CPU with bfloat16 kernels, float32 on any x86 CPU.
+`lean_decoder(model)` returns None for anything the lean path does not cover (decoding.py
+explains the path and its limits).
 """
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -22,23 +24,37 @@ def bf16_kernels_available() -> bool:
         return False
 
 
+X86 = ("x86_64", "amd64", "i686", "x86")  # platform.machine(), lowered
+
+
 def can_prepack(weight: torch.Tensor) -> bool:
-    """Whether `prepack` applies: a bfloat16 weight on a CPU with oneDNN bfloat16 kernels."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and bf16_kernels_available())
+    """Whether `prepack` applies: a bfloat16 weight on a CPU with oneDNN bfloat16 kernels, or a
+    float32 weight on an x86 CPU with oneDNN.
+
+    In float32, F.linear runs MKL's sgemm; oneDNN on the prepacked weight was measured faster at
+    the decoder's row counts (2-core AVX2 EPYC: the decode step's products 1.4x at 64 rows, 1.7x
+    at 16, the LM head 1.8-2.3x) and rounds differently (a few float32 ulps of a product).
+    Other architectures keep F.linear: oneDNN's float32 kernels there were never measured."""
+    if weight.device.type != "cpu" or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    if weight.dtype == torch.float32:
+        return platform.machine().lower() in X86 and torch.backends.mkldnn.is_available()
+    return weight.dtype == torch.bfloat16 and bf16_kernels_available()
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] bfloat16 weight -> the same weight in oneDNN's blocked layout, for `linear`.
+    """[out, in] weight -> the same weight in oneDNN's blocked layout, for `linear`.
 
-    F.linear hands oneDNN a plain [out, in] matrix, and oneDNN reorders it into its blocked
-    layout on every call; at decode batch sizes that reorder costs as much as the product.
+    In bfloat16, F.linear hands oneDNN a plain [out, in] matrix, and oneDNN reorders it into its
+    blocked layout on every call; at decode batch sizes that reorder costs as much as the product.
     """
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, or oneDNN's kernel on a prepacked weight (same kernel, same result bits)."""
+    """F.linear, or oneDNN's kernel on a prepacked weight: in bfloat16 the kernel F.linear
+    runs too (the same result bits), in float32 another kernel than F.linear's (see
+    `can_prepack`)."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
