@@ -19,7 +19,9 @@ the moment of the call:
 - on a CPU with oneDNN bfloat16 kernels, every weight is reordered once per rollout into the
   kernel's blocked layout ("prepacked"), so a decode step no longer reorders 270 MB of weights
   per call (measured on SmolLM2, all 211 products: 12.4 -> 8.5 ms at 8 rows, 29.4 -> 24.4 ms at
-  64; the results are bit-identical).
+  64; the results are bit-identical); in float32 on an x86 CPU too, where F.linear runs MKL's
+  sgemm and oneDNN on prepacked weights is faster at these row counts (measured on a 2-core AVX2
+  CPU: a whole rollout 1.31x) but rounds its sums in another order (lean_weights.can_prepack).
 
 `lean_decoder(model)` (lean_weights.py, which holds the fused and prepacked weights) returns
 None for anything it does not cover (another architecture, a sliding window, a length-dependent
