@@ -5,8 +5,9 @@
 Paths: `lean` (decoding.LeanStepper, weights prepacked where the CPU allows, the native kernels
 where they build), `lean-unpacked` (the same without prepacking), `lean-torch` (`lean` with
 torch's operations around the products), `lean-plain` (that without prepacking) and `model`
-(decoding.ModelStepper, the model's own forward), on the benchmark's rollout workload: the bundled SmolLM2, chain_sum train prompts, G = 8, temperature
-1.0, the merged-LoRA sampling weights, the run's dtype. Each round samples the same prompts with
+(decoding.ModelStepper, the model's own forward), on the benchmark's rollout workload: the
+bundled SmolLM2, chain_sum train prompts, G = 8, temperature 1.0, the merged-LoRA sampling
+weights, the run's dtype. Each round samples the same prompts with
 every path, rotating which goes first, so machine noise falls on all; the decode ideal at the
 same batch (decode_ideal.py) is timed in the same process. Prints JSON: tokens/s per path and
 round, the totals, each path ÷ the last one and each path's peak fraction.
