@@ -28,7 +28,9 @@ import torch
 from grpogate.inputs.policy import cache_root
 
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# -fno-trapping-math: without it GCC keeps exp_f32's selects as branches and leaves the
+# exponent loops scalar (native_kernels.cpp's header); no value changes.
+FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 MAX_GROUP = 8  # query heads per KV head the attention kernel is built for (native_kernels.cpp)
 _VOID, _LONG, _FLOAT, _INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int

@@ -15,8 +15,11 @@
 // row: not on the other rows of the batch, nor on their count. Whether a multiply and an add
 // fuse is the compiler's choice for the CPU it builds on, which is part of the build's key.
 //
-// Built by grpogate.sampling.native with the system C++ compiler, -O3 -march=native -fopenmp;
-// OpenMP is the runtime torch itself loaded (same soname), so torch.set_num_threads governs it.
+// Built by grpogate.sampling.native with the system C++ compiler, -O3 -march=native
+// -fno-trapping-math -fopenmp. -fno-trapping-math lets GCC turn exp_f32's range selects into
+// blends, so the exponent loops (softmax, SiLU, the log-prob head) vectorize; it reorders no
+// sum and changes no value. OpenMP is the runtime torch itself loaded (same soname), so
+// torch.set_num_threads governs it.
 
 #include <cmath>
 #include <cstdint>
