@@ -25,6 +25,7 @@ import torch
 
 from grpogate.sampling.decoding import WIDTH_BUCKET, cache_keyword, left_pad, round_up
 from grpogate.sampling.native import native_kernels
+from grpogate.training.tree_attention import tree_attention
 
 
 def right_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,14 +283,15 @@ def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 6
     """Log-probs [N, T] of the completions (0 on padding), from one forward of `packed`'s row.
 
     The mask goes to the model as a 4D additive float mask, which transformers passes to the
-    attention unchanged (eager and SDPA alike). `entropy`: see `token_logprobs`, [N, T] too.
+    attention unchanged (eager and SDPA alike); with SDPA, `tree_attention` takes the call. `entropy`: see `token_logprobs`, [N, T] too.
     """
     dtype = next(model.parameters()).dtype
     mask = torch.zeros(packed.allowed.shape, dtype=dtype, device=packed.allowed.device)
     mask = mask.masked_fill(~packed.allowed, torch.finfo(dtype).min)[None, None]  # [1, 1, L, L]
-    logits = model(input_ids=packed.input_ids, attention_mask=mask,
-                   position_ids=packed.position_ids, use_cache=False,
-                   logits_to_keep=packed.logit_positions).logits  # [1, U, V]
+    with tree_attention(model):  # bfloat16 on a CPU: a faster attention backward
+        logits = model(input_ids=packed.input_ids, attention_mask=mask,
+                       position_ids=packed.position_ids, use_cache=False,
+                       logits_to_keep=packed.logit_positions).logits  # [1, U, V]
     targets = packed.completion_ids[packed.rows, packed.columns]  # [M]
     pieces = [] if entropy is not None else None
     values = picked_logprobs(logits[0], packed.logit_index, targets, temperature, chunk,
