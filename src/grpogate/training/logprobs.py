@@ -295,7 +295,7 @@ def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 6
                        logits_to_keep=packed.logit_positions).logits  # [1, U, V]
     targets = packed.completion_ids[packed.rows, packed.columns]  # [M]
     pieces = [] if entropy is not None else None
-    values = picked_logprobs(logits[0], packed.logit_index, targets, temperature, chunk,
+    values = picked_logprobs(logits.squeeze(0), packed.logit_index, targets, temperature, chunk,
                              pieces)  # [M]
     out = values.new_zeros(packed.completion_ids.shape)
     out = out.index_put((packed.rows, packed.columns), values)  # [N, T], differentiable
