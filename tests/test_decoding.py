@@ -193,12 +193,37 @@ def test_a_prepacked_float32_weight_rounds_within_float32_of_f_linear():
         assert ((got.double() - expected).abs() <= 1e-5 * scale).all()
 
 
-def test_shared_prefix_is_rounded_down_and_leaves_every_prompt_a_token():
-    assert shared_prefix_length([[1, 2, 3]] * 3) == 0  # 2 shared tokens round down to 0
-    assert shared_prefix_length([list(range(40)), list(range(40))]) == 32  # 39 (one kept) -> 32
-    assert shared_prefix_length([list(range(20)) + [7], list(range(20)) + [8]]) == 16
-    assert shared_prefix_length([list(range(17)), [0] + list(range(30))]) == 0
-    assert shared_prefix_length([list(range(16)), list(range(40))]) == 0  # 15 shared -> 0
+def test_shared_prefix_leaves_every_prompt_a_token():
+    assert shared_prefix_length([[1, 2, 3]] * 3) == 2  # the last token stays each prompt's own
+    assert shared_prefix_length([list(range(40)), list(range(40))]) == 39
+    assert shared_prefix_length([list(range(20)) + [7], list(range(20)) + [8]]) == 20
+    assert shared_prefix_length([list(range(17)), [0] + list(range(30))]) == 1
+    assert shared_prefix_length([list(range(16)), list(range(40))]) == 15
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("shared", [5, 16, 19])
+def test_prefill_with_a_shared_prefix_of_any_length(shared, native):
+    """The prefix computed once at any length (its 16-column block left-padded and masked, the
+    prompts' own parts after it) gives the logits of no shared prefix, and so does the first
+    decode step after it (float32: the same sums in other tiles, within 1e-5)."""
+    from grpogate.sampling.native import native_kernels
+
+    model = tiny("llama")
+    decoder = lean_decoder(model)
+    kernels = native_kernels(torch.float32, torch.device("cpu")) if native else None
+    if native and (kernels is None or not kernels.covers(decoder.heads, decoder.kv_heads,
+                                                         decoder.head_dim)):
+        pytest.skip("no native kernels for this model here")
+    prompts = [list(range(1, 20)) + [30, 31, 32], list(range(1, 20)) + [40, 7],
+               list(range(1, 20)) + [50] * 9]
+    plain, stepper = LeanStepper(decoder, kernels), LeanStepper(decoder, kernels)
+    expected = plain.prefill(prompts, 0, 2, 4, shared=0)
+    got = stepper.prefill(prompts, 0, 2, 4, shared=shared)
+    assert stepper.prompt_mask.shape[1] % 16 == 0  # the span the native step reads
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    tokens = torch.tensor([3, 4, 5, 6, 7, 8])
+    torch.testing.assert_close(stepper.step(tokens), plain.step(tokens), atol=1e-5, rtol=1e-5)
 
 
 def test_generate_completions_samples_the_same_tokens_on_both_paths(tiny_config, tmp_path):

@@ -110,13 +110,15 @@ class ModelStepper:
 
 
 def shared_prefix_length(prompts: list[list[int]]) -> int:
-    """Tokens every prompt starts with, leaving each at least one token of its own; rounded
-    down to WIDTH_BUCKET so that the prefix's matmuls keep known shapes."""
+    """Tokens every prompt starts with, leaving each at least one token of its own. Not
+    rounded: the prefix's forward pads it to WIDTH_BUCKET columns itself (`forward_rows`), and
+    rounding it down (62 common tokens of the default's prompts to 48) made every prompt's own
+    part 16 columns wider, twice the prefill's rows."""
     shortest = min(len(p) for p in prompts)
     length = 0
     while length < shortest - 1 and all(p[length] == prompts[0][length] for p in prompts):
         length += 1
-    return length // WIDTH_BUCKET * WIDTH_BUCKET
+    return length
 
 
 class LeanStepper:
@@ -155,10 +157,13 @@ class LeanStepper:
         dec = self.decoder
         dtype, device = dec.embed.dtype, dec.embed.device
         shared = shared_prefix_length(prompts) if shared is None else min(
-            shared, shared_prefix_length(prompts)) // WIDTH_BUCKET * WIDTH_BUCKET
+            shared, shared_prefix_length(prompts))
+        # The prefix's columns: its forward left-pads it to a WIDTH_BUCKET multiple (the pads
+        # masked), so that the span stays a multiple of 16, as the native step reads it.
+        head = round_up(shared, WIDTH_BUCKET)
         suffixes = [p[shared:] for p in prompts]
         width = round_up(max(len(x) for x in suffixes), WIDTH_BUCKET)
-        span = shared + width
+        span = head + width
         columns = torch.arange(span + max_new_tokens, device=device)[None]
         cos, sin = dec.rotary(dec.embed[:1], columns)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [C, d]
@@ -176,16 +181,16 @@ class LeanStepper:
                 (rows, dec.kv_heads, own if self.kernels else max_new_tokens, dec.head_dim)))
 
         prefix = None
-        if shared:  # keys [1, Hkv, d, shared], values [1, Hkv, shared, d] -> every prompt
+        self.prompt_mask = torch.full((len(prompts), span), MASKED, device=device)
+        if shared:  # keys [1, Hkv, d, head], values [1, Hkv, head, d], mask [1, head]
             prefix = forward_rows(dec, [prompts[0][:shared]], [0], None, keep=True)[1]
             for index in range(len(dec.layers)):
-                self.prompt_keys[index][..., :shared] = prefix[0][index]
-                self.prompt_values[index][:, :, :shared] = prefix[1][index]
-        suffix_mask, last_logits = self._prefill_suffixes(suffixes, pad_id, shared, width,
+                self.prompt_keys[index][..., :head] = prefix[0][index]
+                self.prompt_values[index][:, :, :head] = prefix[1][index]
+            self.prompt_mask[:, :head] = prefix[2]
+        suffix_mask, last_logits = self._prefill_suffixes(suffixes, pad_id, shared, head, width,
                                                           prefix)
-        self.prompt_mask = torch.full((len(prompts), span), MASKED, device=device)
-        self.prompt_mask[:, :shared] = 0.0
-        self.prompt_mask[:, shared:] = torch.where(suffix_mask.bool(), 0.0, MASKED)
+        self.prompt_mask[:, head:] = torch.where(suffix_mask.bool(), 0.0, MASKED)
         positions = shared + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [n, W]
         self.positions = positions[:, -1].repeat_interleave(group_size, dim=0)  # [N]
         self.own_mask = torch.full((max_new_tokens,), MASKED, device=device)
@@ -193,9 +198,10 @@ class LeanStepper:
         self.slots = torch.arange(len(prompts) * group_size, device=device)
         return last_logits.repeat_interleave(group_size, dim=0)
 
-    def _prefill_suffixes(self, suffixes, pad_id, shared, width, prefix):
-        """Each prompt's own tokens attending to the prefix, its block flush right in the
-        prompt's W columns: -> (real-token mask [n, W], next-token logits [n, V]).
+    def _prefill_suffixes(self, suffixes, pad_id, shared, head, width, prefix):
+        """Each prompt's own tokens (from position `shared`) attending to the prefix (its
+        `head` columns), its block flush right in the prompt's W columns: -> (real-token mask
+        [n, W], next-token logits [n, V]).
 
         Prompts of one padded width go through `forward_rows` together, PROMPTS_PER_FORWARD at
         a time, so a prompt computes the same numbers whatever batch or rank it lands in
@@ -210,11 +216,11 @@ class LeanStepper:
                 dec, [suffixes[i] for i in chunk], [shared] * len(chunk), prefix, keep=True,
                 pad_id=pad_id)
             own = hidden.shape[1]
-            columns = slice(shared + width - own, shared + width)
+            columns = slice(head + width - own, head + width)
             for index in range(len(dec.layers)):
-                self.prompt_keys[index][chunk, ..., columns] = keys[index][..., shared:]
-                self.prompt_values[index][chunk, :, columns] = values[index][:, :, shared:]
-            suffix_mask[chunk, width - own:] = (mask[:, shared:] == 0).long()
+                self.prompt_keys[index][chunk, ..., columns] = keys[index][..., head:]
+                self.prompt_values[index][chunk, :, columns] = values[index][:, :, head:]
+            suffix_mask[chunk, width - own:] = (mask[:, head:] == 0).long()
             for i, row in zip(chunk, hidden[:, -1]):
                 last[i] = row
         return suffix_mask, decoder_logits(dec, torch.stack(last), tiled_linear)
