@@ -11,7 +11,8 @@ values to the run's token-weighted means.
 
 Forward passes only, no gradient, with each policy's LoRA merged (`sampling_weights`): a few
 prompts' completions are forwarded under the candidate, then the baseline, so only their full
-distributions are held at a time. On the lean decoder's weights (Llama, Qwen2:
+distributions are held at a time; on the lean scorer each policy's weights are merged and
+packed once (measured: 7 preparations, 1.6 s of a 12.4 s drift at 48 prompts x 4, before). On the lean decoder's weights (Llama, Qwen2:
 scoring.LeanScorer) the prefix every eval prompt shares is forwarded once per policy swap, each
 prompt's own tokens once, and the LM head runs on completion positions only; other
 architectures take the model's forward, one prompt's completions per forward.
@@ -70,13 +71,16 @@ def _log_softmax_rows(model, completions: list, pad_id: int, temperature: float
 
 
 def _row_source(model, pad_id: int, temperature: float, prefix: list[int]):
-    """groups -> their completions' log-softmax rows in order, under the weights the model has
-    now: the lean scorer (the shared `prefix` forwarded once, here) where it covers the model,
-    else the model's forward, one prompt at a time."""
+    """(groups -> their completions' log-softmax rows in order, whether it keeps the weights):
+    the lean scorer (the shared `prefix` forwarded once, here) where it covers the model, which
+    holds the weights the model has now (its own fused copies and references, valid after the
+    merged tensors are swapped back); else the model's forward, one prompt at a time, under
+    whatever weights the model has when called."""
     decoder = lean_decoder(model)
     if decoder is None:
-        return lambda groups: [r for group in groups
-                               for r in _log_softmax_rows(model, group, pad_id, temperature)]
+        return (lambda groups: [r for group in groups
+                                for r in _log_softmax_rows(model, group, pad_id, temperature)],
+                False)
     scorer = LeanScorer(decoder, prefix)
 
     def rows(groups: list[list]) -> list[torch.Tensor]:
@@ -86,7 +90,7 @@ def _row_source(model, pad_id: int, temperature: float, prefix: list[int]):
         return [torch.log_softmax(x.float() / temperature, dim=-1)
                 for logits in scored for x in logits]
 
-    return rows
+    return rows, True
 
 
 def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
@@ -132,17 +136,23 @@ def measure_drift(policy: Policy, baseline: list, candidate: list, temperature: 
     baseline_values, candidate_values = [], []
     groups = _groups(baseline)
     with sampling_weights(policy, baseline=True):
-        rows = source()
+        base_rows, kept = source()
         for start in range(0, len(groups), SWAP_GROUPS):
             baseline_values += [{"entropy": _mean(_entropy(r))}
-                                for r in rows(groups[start:start + SWAP_GROUPS])]
+                                for r in base_rows(groups[start:start + SWAP_GROUPS])]
+    if kept:  # the lean scorers hold their weights: each policy's merged and packed once
+        with sampling_weights(policy):
+            own_rows, _ = source()
     groups = _groups(candidate)
     for start in range(0, len(groups), SWAP_GROUPS):
         chunk = groups[start:start + SWAP_GROUPS]
-        with sampling_weights(policy):
-            mine = source()(chunk)
-        with sampling_weights(policy, baseline=True):
-            reference = source()(chunk)
+        if kept:
+            mine, reference = own_rows(chunk), base_rows(chunk)
+        else:
+            with sampling_weights(policy):
+                mine = source()[0](chunk)
+            with sampling_weights(policy, baseline=True):
+                reference = source()[0](chunk)
         for own, base in zip(mine, reference):
             kl = (own.exp() * (own - base)).sum(-1)
             candidate_values.append({"entropy": _mean(_entropy(own)), "kl_to_baseline": _mean(kl)})
