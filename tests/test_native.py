@@ -303,3 +303,49 @@ def test_the_native_log_prob_head_matches_torch(kernels, dtype, monkeypatch):
         assert ((entropy.double() - exact).abs() <= ulps).all()
     step = 1e-5 if dtype == torch.float32 else 2 ** -7 * torch_grad.abs().clamp(min=2 ** -120)
     assert ((native_grad - torch_grad).abs() <= step).all()
+
+
+def test_sample_rows_by_hand(kernels):
+    # T = 1, logits [0, ln 3, ln 2, ln 2], blocks of 2: e = exp(z - ln 3) = [1/3, 1, 2/3, 2/3],
+    # block masses [4/3, 4/3], cumulative [4/3, 8/3].
+    # u = 0.1: draw 0.2667 < 4/3 -> block 0; inside [1/3, 4/3] > 0.2667 first at 0 -> token 0,
+    #   log p = (0 - ln 3) - ln(8/3) = ln(1/8).
+    # u = 0.6: draw 1.6 -> block 1, rest 1.6 - 4/3 = 0.2667 < 2/3 -> token 2, log p = ln(1/4).
+    # u = 0.99: draw 2.64 -> block 1, rest 1.3067 > 2/3 -> token 3, log p = ln(1/4).
+    z = torch.tensor([0.0, math.log(3), math.log(2), math.log(2)])
+    logits = z.repeat(3, 1)
+    tokens, logprobs = kernels.sample_rows(logits, 1.0, 2, torch.tensor([0.1, 0.6, 0.99],
+                                                                         dtype=torch.float64))
+    assert tokens.tolist() == [0, 2, 3]
+    torch.testing.assert_close(logprobs, torch.tensor([math.log(1 / 8), math.log(1 / 4),
+                                                       math.log(1 / 4)]), atol=1e-6, rtol=0)
+    # A vocabulary that is not a whole number of blocks (5 entries, blocks of 2): the last
+    # token is reachable, and a draw rounded past the end falls on the last token with mass.
+    z5 = torch.tensor([[0.0, 0.0, -1e30, 0.0, 0.0]])
+    assert kernels.sample_rows(z5, 1.0, 2, torch.tensor([0.99], dtype=torch.float64))[0] == 4
+    z5 = torch.tensor([[0.0, 0.0, 0.0, 0.0, -1e30]])
+    assert kernels.sample_rows(z5, 1.0, 2, torch.tensor([1.0], dtype=torch.float64))[0] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_sampler_draws_what_the_torch_sampler_draws(kernels, dtype, monkeypatch):
+    """rollout._sample, whole distribution: the same tokens from the same uniforms, log-probs
+    within float32 rounding, for 2,000 rows of SmolLM2's vocabulary at the run's temperature."""
+    from grpogate.sampling import rollout
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2000, 49152, generator=generator) * 4).to(dtype)
+    uniforms = torch.rand((2000, 1), generator=generator, dtype=torch.float64)
+    native_tokens, native_logp = rollout._sample(logits, 0.7, 1.0, uniforms, with_logprobs=True)
+    monkeypatch.setattr(rollout, "native_kernels", lambda dtype, device: None)
+    torch_tokens, torch_logp = rollout._sample(logits, 0.7, 1.0, uniforms, with_logprobs=True)
+    # The block masses differ by summation order (a few float32 ulps), so a draw within that
+    # of a boundary could land on the neighbouring token: none did here.
+    assert torch.equal(native_tokens, torch_tokens)
+    # log p of magnitude up to ~40: float32 rounding of the max, the division and log(total)
+    torch.testing.assert_close(native_logp, torch_logp, atol=2e-5, rtol=1e-6)
+    # A torch.Generator draws the same uniforms as the tensor above, before the logits' work.
+    again = torch.Generator().manual_seed(0)
+    torch.randn(2000, 49152, generator=again)
+    monkeypatch.undo()
+    assert torch.equal(rollout._sample(logits, 0.7, 1.0, again), native_tokens)

@@ -1,5 +1,5 @@
-"""Native kernels for the lean decoder's decode step and the update's log-prob head: built
-once per machine, optional.
+"""Native kernels for the lean decoder's decode step, the sampler's draw and the update's
+log-prob head: built once per machine, optional.
 
 `native_kernels()` compiles native_kernels.cpp with the system C++ compiler the first time it
 is asked on a machine (about 3 s), keeps the shared library in the cache directory
@@ -89,8 +89,11 @@ class NativeKernels:
                                                    _VOID]
         library.grpogate_logprob_backward.argtypes = [_INT, _VOID, _VOID, _LONG, _LONG, _FLOAT,
                                                       _VOID, _VOID, _VOID, _VOID, _VOID]
+        library.grpogate_sample_rows.argtypes = [_INT, _VOID, _LONG, _LONG, _FLOAT, _FLOAT, _LONG,
+                                                 _VOID, _VOID, _VOID]
         for function in ("grpogate_rms_norm", "grpogate_add_rms_norm", "grpogate_silu_mul",
-                         "grpogate_row_logsumexp", "grpogate_logprob_backward"):
+                         "grpogate_row_logsumexp", "grpogate_logprob_backward",
+                         "grpogate_sample_rows"):
             getattr(library, function).restype = None
         library.grpogate_decode_attention.restype = _INT
 
@@ -166,6 +169,19 @@ class NativeKernels:
             offsets.data_ptr(), order.data_ptr(), targets.data_ptr(), grad.data_ptr(),
             out.data_ptr())
         return out
+
+    def sample_rows(self, logits: torch.Tensor, temperature: float, block: int,
+                    uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [N, V], uniforms [N] float64 -> (tokens [N] int64, their float32 log-probs):
+        rollout._sample's two-level inverse CDF over the whole softmax(logits / temperature)."""
+        rows, vocab = logits.shape
+        tokens = torch.empty(rows, dtype=torch.long)
+        logprobs = torch.empty(rows, dtype=torch.float32)
+        self.library.grpogate_sample_rows(DTYPES[logits.dtype], logits.data_ptr(), rows, vocab,
+                                          temperature, 1.0 / temperature, block,
+                                          uniforms.data_ptr(), tokens.data_ptr(),
+                                          logprobs.data_ptr())
+        return tokens, logprobs
 
     @staticmethod
     def covers(heads: int, kv_heads: int, head_dim: int) -> bool:

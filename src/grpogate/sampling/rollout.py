@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from grpogate.sampling.decoding import ROW_BUCKET, make_stepper, round_up
+from grpogate.sampling.native import native_kernels
 from grpogate.config import RunConfig
 from grpogate.errors import InputError
 from grpogate.seeding import prompt_seed
@@ -113,10 +114,22 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
     tokens by the cumulative block masses, then a token inside it. torch.multinomial draws an
     exponential for every vocabulary entry (49,152 per row here) and a full float64 cumulative
     sum costs as much again; measured, each was a fifth or more of all decoding time.
-    The log-prob costs one gather and the kept mass this function sums anyway.
+    The log-prob costs one gather and the kept mass this function sums anyway. With nothing
+    truncated, the native kernels (where they build) run the same two levels row by row on the
+    logits as they are (sampling.native): no float32 copy of the batch (measured with AMX
+    kernels: 22.5 ms a step at 256 rows, half of it that copy).
     `generator` is a torch.Generator (one uniform per row drawn from it) or the uniforms
     themselves, [N, 1] float64 in [0, 1) (`_decode_groups` draws them per prompt).
     """
+    if top_p >= 1.0 and top_k <= 0 and min_p <= 0.0:  # the whole distribution
+        kernels = native_kernels(logits.dtype, logits.device)
+        if kernels is not None:  # the same draw row by row, without a float32 copy
+            uniform = (generator if isinstance(generator, torch.Tensor) else torch.rand(
+                (len(logits), 1), generator=generator, dtype=torch.float64))
+            tokens, logprobs = kernels.sample_rows(
+                logits.contiguous(), temperature, block,
+                uniform.to(dtype=torch.float64).reshape(-1).contiguous())
+            return (tokens, logprobs) if with_logprobs else tokens
     # Unnormalized probabilities exp((x - max) / T), built in place in one float32 copy: the
     # inverse CDF scales its draw by the total mass, so no normalization pass is needed. The
     # top token's entry is exactly 1, so min_p compares against min_p itself.
