@@ -30,3 +30,33 @@ def record_ratio_inputs(monkeypatch) -> list:
 
     monkeypatch.setattr(objectives, "policy_token_terms", spy)
     return seen
+
+
+def bf16_packed_row(tiny_config, tmp_path, prompts, completions):
+    """The tiny model in bfloat16 with a non-zero adapter, and a packed row of `prompts` with
+    G = 2 `completions` each -> (policy, row, run): run() gives the row's detached log-probs
+    and the LoRA gradients of their sum over the completion tokens."""
+    import torch
+
+    from grpogate.inputs.policy import load_policy, trainable_parameters
+    from grpogate.training.logprobs import micro_batch_logprobs, pack_row
+
+    policy = load_policy(tiny_config(tmp_path, dtype="bfloat16"), seed=0)
+    parameters = list(trainable_parameters(policy).values())
+    for parameter in parameters:
+        parameter.data.normal_(0, 0.05)
+    row = pack_row(prompts, completions, 2, 2, torch.device("cpu"))
+
+    def run():
+        logp = micro_batch_logprobs(policy.model, row, 2, 0.7)
+        return logp.detach(), torch.autograd.grad((logp * row.completion_mask).sum(), parameters)
+
+    return policy, row, run
+
+
+def relative_distance(ours, theirs) -> float:
+    """|ours - theirs| / |theirs| over lists of tensors, in float32."""
+    total = sum(t.float().norm() ** 2 for t in theirs) ** 0.5
+    apart = sum((a.float() - b.float()).norm() ** 2 for a, b in zip(ours, theirs)) ** 0.5
+    assert total > 0
+    return float(apart / total)

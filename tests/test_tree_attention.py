@@ -140,40 +140,23 @@ def test_context_switches_sdpa_models_only(tiny_config, tmp_path):
     config._attn_implementation = "sdpa"
 
 
-def test_packed_bfloat16_update_matches_sdpa(tiny_config, tmp_path):
+def test_packed_bfloat16_update_matches_sdpa(tiny_config, tmp_path, monkeypatch):
     """The packed row of the tiny model in bfloat16: log-probs identical to plain SDPA's, LoRA
     gradients within bfloat16 rounding of them, and the new backward really ran."""
-    from grpogate.inputs.policy import load_policy, trainable_parameters
+    import contextlib
+
     from grpogate.training import logprobs
-    from grpogate.training.logprobs import pack_row, packed_logprobs
+    from helpers import bf16_packed_row, relative_distance
 
-    policy = load_policy(tiny_config(tmp_path, dtype="bfloat16"), seed=0)
-    parameters = list(trainable_parameters(policy).values())
-    for parameter in parameters:
-        parameter.data.normal_(0, 0.05)
-    prompts = [[1, 5, 9, 30, 31, 32], [1, 5, 9, 40, 41]]
-    completions = [[504, 3077, 314, 2], [905, 28], [1011, 29, 17, 44, 2], [77, 2]]
-    row = pack_row(prompts, completions, 2, 2, torch.device("cpu"))
-
-    def forward_backward():
-        logp = packed_logprobs(policy.model, row, 0.7)
-        return logp.detach(), torch.autograd.grad((logp * row.completion_mask).sum(), parameters)
-
+    _, _, run = bf16_packed_row(tiny_config, tmp_path, [[1, 5, 9, 30, 31, 32], [1, 5, 9, 40, 41]],
+                                [[504, 3077, 314, 2], [905, 28], [1011, 29, 17, 44, 2], [77, 2]])
     calls = []
     original = TreeAttention.backward
-    TreeAttention.backward = staticmethod(lambda ctx, g: calls.append(1) or original(ctx, g))
-    try:
-        ours, our_grads = forward_backward()
-    finally:
-        TreeAttention.backward = staticmethod(original)
+    monkeypatch.setattr(TreeAttention, "backward",
+                        staticmethod(lambda ctx, g: calls.append(1) or original(ctx, g)))
+    ours, our_grads = run()
     assert len(calls) == 2  # one per layer
-    switch = logprobs.tree_attention
-    logprobs.tree_attention = lambda model: __import__("contextlib").nullcontext()
-    try:
-        plain, plain_grads = forward_backward()
-    finally:
-        logprobs.tree_attention = switch
+    monkeypatch.setattr(logprobs, "tree_attention", lambda model: contextlib.nullcontext())
+    plain, plain_grads = run()
     assert torch.equal(ours, plain)
-    total = sum(g.float().norm() ** 2 for g in plain_grads) ** 0.5
-    apart = sum((a.float() - b.float()).norm() ** 2 for a, b in zip(our_grads, plain_grads)) ** 0.5
-    assert total > 0 and apart / total < 3e-2  # bfloat16 rounding: 0.48 % measured
+    assert relative_distance(our_grads, plain_grads) < 3e-2  # bfloat16 rounding: 0.48 % measured
