@@ -284,7 +284,8 @@ def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 6
     """Log-probs [N, T] of the completions (0 on padding), from one forward of `packed`'s row.
 
     The mask goes to the model as a 4D additive float mask, which transformers passes to the
-    attention unchanged (eager and SDPA alike); with SDPA, `tree_attention` takes the call. `entropy`: see `token_logprobs`, [N, T] too.
+    attention unchanged (eager and SDPA alike); with SDPA, `tree_attention` takes the call.
+    `entropy`: see `token_logprobs`, [N, T] too.
     """
     dtype = next(model.parameters()).dtype
     mask = torch.zeros(packed.allowed.shape, dtype=dtype, device=packed.allowed.device)
