@@ -71,18 +71,24 @@ def _log_softmax_rows(model, completions: list, pad_id: int, temperature: float
     return rows
 
 
-def _row_source(model, pad_id: int, temperature: float, prefix: list[int]):
-    """(groups -> their completions' log-softmax rows in order, whether it keeps the weights):
-    the lean scorer (the shared `prefix` forwarded once, here) where it covers the model, which
-    holds the weights the model has now (its own fused copies and references, valid after the
-    merged tensors are swapped back); else the model's forward, one prompt at a time, under
-    whatever weights the model has when called."""
-    decoder = lean_decoder(model)
-    if decoder is None:
-        return (lambda groups: [r for group in groups
-                                for r in _log_softmax_rows(model, group, pad_id, temperature)],
-                False)
-    scorer = LeanScorer(decoder, prefix)
+def _policy_rows(policy: Policy, baseline: bool, pad_id: int, temperature: float,
+                 prefix: list[int]):
+    """groups -> their completions' log-softmax rows in order, under the baseline's or the
+    candidate's weights whenever called. On the lean scorer (the shared `prefix` forwarded once),
+    built here under those weights once: it keeps its own fused copies and references, valid
+    after the merged tensors are swapped back. Else the model's forward, one prompt at a time,
+    with the policy's LoRA merged for each call."""
+    model = policy.model
+    with sampling_weights(policy, baseline=baseline):
+        decoder = lean_decoder(model)
+        scorer = None if decoder is None else LeanScorer(decoder, prefix)
+    if scorer is None:
+        def model_rows(groups: list[list]) -> list[torch.Tensor]:
+            with sampling_weights(policy, baseline=baseline):
+                return [r for group in groups
+                        for r in _log_softmax_rows(model, group, pad_id, temperature)]
+
+        return model_rows
 
     def rows(groups: list[list]) -> list[torch.Tensor]:
         scored = scorer.score([(list(group[0].prompt_token_ids[len(prefix):]),
@@ -91,7 +97,7 @@ def _row_source(model, pad_id: int, temperature: float, prefix: list[int]):
         return [torch.log_softmax(x.float() / temperature, dim=-1)
                 for logits in scored for x in logits]
 
-    return rows, True
+    return rows
 
 
 def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
@@ -117,8 +123,8 @@ def measure_drift(policy: Policy, baseline: list, candidate: list, temperature: 
 
     A completion's values never depend on which other prompts a process re-tests (one prompt
     per forward of the model, prompts of one shape per lean forward): one process and a
-    torchrun shard record the same numbers. The baseline's LoRA is merged once for its own
-    completions, each policy's once per SWAP_GROUPS prompts of the candidate's. `shared_prefix`:
+    torchrun shard record the same numbers. On the lean scorer each policy's LoRA is merged
+    once; on the model's forward, once per SWAP_GROUPS prompts and policy. `shared_prefix`:
     the prefix length the lean forward computes once, fixed over the caller's whole prompt set
     as in sampling (default: what every completion's prompt shares)."""
     pad_id = policy.tokenizer.pad_token_id
@@ -131,29 +137,17 @@ def measure_drift(policy: Policy, baseline: list, candidate: list, temperature: 
     shared = shared_prefix_length(prompts)
     prefix = prompts[0][:shared if shared_prefix is None else min(shared_prefix, shared)]
 
-    def source():
-        return _row_source(policy.model, pad_id, temperature, prefix)
-
+    base_rows = _policy_rows(policy, True, pad_id, temperature, prefix)
+    own_rows = _policy_rows(policy, False, pad_id, temperature, prefix)
     baseline_values, candidate_values = [], []
     groups = _groups(baseline)
-    with sampling_weights(policy, baseline=True):
-        base_rows, kept = source()
-        for start in range(0, len(groups), SWAP_GROUPS):
-            baseline_values += [{"entropy": _mean(_entropy(r))}
-                                for r in base_rows(groups[start:start + SWAP_GROUPS])]
-    if kept:  # the lean scorers hold their weights: each policy's merged and packed once
-        with sampling_weights(policy):
-            own_rows, _ = source()
+    for start in range(0, len(groups), SWAP_GROUPS):
+        baseline_values += [{"entropy": _mean(_entropy(r))}
+                            for r in base_rows(groups[start:start + SWAP_GROUPS])]
     groups = _groups(candidate)
     for start in range(0, len(groups), SWAP_GROUPS):
         chunk = groups[start:start + SWAP_GROUPS]
-        if kept:
-            mine, reference = own_rows(chunk), base_rows(chunk)
-        else:
-            with sampling_weights(policy):
-                mine = source()[0](chunk)
-            with sampling_weights(policy, baseline=True):
-                reference = source()[0](chunk)
+        mine, reference = own_rows(chunk), base_rows(chunk)
         for own, base in zip(mine, reference):
             kl = (own.exp() * (own - base)).sum(-1)
             candidate_values.append({"entropy": _mean(_entropy(own)), "kl_to_baseline": _mean(kl)})
