@@ -124,11 +124,9 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
     if top_p >= 1.0 and top_k <= 0 and min_p <= 0.0:  # the whole distribution
         kernels = native_kernels(logits.dtype, logits.device)
         if kernels is not None:  # the same draw row by row, without a float32 copy
-            uniform = (generator if isinstance(generator, torch.Tensor) else torch.rand(
-                (len(logits), 1), generator=generator, dtype=torch.float64))
             tokens, logprobs = kernels.sample_rows(
                 logits.contiguous(), temperature, block,
-                uniform.to(dtype=torch.float64).reshape(-1).contiguous())
+                _uniforms(generator, len(logits), logits.device).reshape(-1).contiguous())
             return (tokens, logprobs) if with_logprobs else tokens
     # Unnormalized probabilities exp((x - max) / T), built in place in one float32 copy: the
     # inverse CDF scales its draw by the total mass, so no normalization pass is needed. The
@@ -166,9 +164,7 @@ def _inverse_cdf(probs: torch.Tensor, generator, block: int) -> tuple[torch.Tens
         masses.append(probs[:, whole:].sum(-1, keepdim=True))
     mass = torch.cat(masses, dim=1).double()  # [N, blocks]
     cdf = mass.cumsum(dim=1)
-    uniform = (generator if isinstance(generator, torch.Tensor) else
-               torch.rand((rows, 1), generator=generator, device=probs.device, dtype=torch.float64))
-    draw = uniform.to(device=probs.device, dtype=torch.float64) * cdf[:, -1:]
+    draw = _uniforms(generator, rows, probs.device) * cdf[:, -1:]
     # searchsorted(right=True) never lands on a zero-mass step; rounding past the end is
     # pulled back to the last block (or token) that has mass.
     chosen_block = torch.minimum(torch.searchsorted(cdf, draw, right=True), _last_positive(mass))
@@ -177,6 +173,14 @@ def _inverse_cdf(probs: torch.Tensor, generator, block: int) -> tuple[torch.Tens
     inside = probs.gather(1, index.clamp(max=vocab - 1)).double() * (index < vocab)
     within = torch.searchsorted(inside.cumsum(dim=1), draw - below, right=True)
     return index.gather(1, torch.minimum(within, _last_positive(inside))), cdf[:, -1:]
+
+
+def _uniforms(generator, rows: int, device) -> torch.Tensor:
+    """[rows, 1] float64 on `device`: the given uniforms, or one drawn per row from the
+    torch.Generator `generator`."""
+    uniform = (generator if isinstance(generator, torch.Tensor) else
+               torch.rand((rows, 1), generator=generator, device=device, dtype=torch.float64))
+    return uniform.to(device=device, dtype=torch.float64)
 
 
 def _last_positive(values: torch.Tensor) -> torch.Tensor:
