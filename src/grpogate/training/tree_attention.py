@@ -27,6 +27,7 @@ inside its block when the model runs SDPA.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -90,7 +91,9 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout: floa
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.cache
 def _register() -> None:
+    """Make NAME known to transformers, once per process."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
