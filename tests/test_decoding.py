@@ -10,7 +10,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 
 from grpogate.sampling.decoding import LeanStepper, ModelStepper, shared_prefix_length
 from grpogate.sampling.layers import tiled_linear
-from grpogate.sampling.scoring import LeanScorer
+from grpogate.sampling import scoring
+from grpogate.sampling.scoring import LeanScorer, packed_row, segment_mask
 from grpogate.sampling.lean_weights import can_prepack, lean_decoder, linear, prepack
 from grpogate.inputs.policy import load_policy, sampling_weights
 from grpogate.sampling.rollout import SamplingSettings, generate_completions
@@ -121,6 +122,37 @@ def test_lean_scorer_logits_equal_one_model_forward_per_sequence(kind):
             expected = full[start:start + len(completion)]
             assert got.shape == expected.shape
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_scored_logits_do_not_depend_on_the_prompts_beside_it(dtype, monkeypatch):
+    """Packed rows of one width share a forward: a prompt's logits are the same bits alone,
+    beside prompts of its width, and with the attention budget forcing one prompt per forward;
+    the segment mask keeps each completion to the prompt and itself."""
+    model = tiny("llama").to(dtype)
+    decoder = lean_decoder(model)
+    groups = [([30 + g, 31], [[7, 8, 9 + g], [4, g], [5]]) for g in range(5)]
+    together = LeanScorer(decoder, list(range(1, 17))).score(groups, pad_id=0)
+    alone = LeanScorer(decoder, list(range(1, 17))).score(groups[3:4], pad_id=0)
+    assert all(torch.equal(a, b) for a, b in zip(together[3], alone[0]))
+    monkeypatch.setattr(scoring, "ATTENTION_BUDGET", 1)
+    one_each = LeanScorer(decoder, list(range(1, 17))).score(groups, pad_id=0)
+    assert all(torch.equal(a, b) for x, y in zip(together, one_each) for a, b in zip(x, y))
+
+
+def test_segment_mask_lets_a_completion_see_the_prompt_and_itself():
+    """Row: prompt (2 tokens), completion 1 (2), completion 2 (1), one pad."""
+    allowed = segment_mask(torch.tensor([[0, 0, 1, 1, 2, -1]]))[0] == 0
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0],
+                             [1, 1, 1, 0, 0, 0],
+                             [1, 1, 1, 1, 0, 0],
+                             [1, 1, 0, 0, 1, 0],   # completion 2 skips completion 1
+                             [0, 0, 0, 0, 0, 1]],  # the pad attends to itself alone
+                            dtype=torch.bool)
+    assert torch.equal(allowed, expected)
+    assert packed_row([30, 31], [[7, 8, 9], [4], []]) == ([30, 31, 7, 8], [(2, 2), (4, 0),
+                                                                           (4, 0)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,7 +14,8 @@ prompts' completions are forwarded under the candidate, then the baseline, so on
 distributions are held at a time; on the lean scorer each policy's weights are merged and
 packed once (measured: 7 preparations, 1.6 s of a 12.4 s drift at 48 prompts x 4, before).
 On the lean decoder's weights (Llama, Qwen2: scoring.LeanScorer) the prefix every eval prompt
-shares is forwarded once per policy, each prompt's own tokens once, and the LM head runs on
+shares is forwarded once per policy, each prompt and its completions packed into one row (the
+prompt's tokens once, no completion padded to its siblings' length), and the LM head runs on
 completion positions only; other architectures take the model's forward, one prompt's
 completions per forward.
 """

@@ -2,9 +2,10 @@
 
 `decoder_layers` runs every block on hidden states [N, T, D] with the caller's attention and
 KV store, so the decode step (decoding.LeanStepper), the prompts' prefill and the re-test's
-teacher-forced drift (scoring.LeanScorer) share one implementation. `forward_rows` runs many
-token rows at once in a way that keeps each row's numbers independent of the rows beside it —
-the property that lets a prompt compute the same bits whichever batch or rank it lands in.
+teacher-forced drift (scoring.LeanScorer) share one implementation. `forward_tokens` runs many
+token rows at once, under any mask and positions, in a way that keeps each row's numbers
+independent of the rows beside it — the property that lets a prompt compute the same bits
+whichever batch or rank it lands in; `forward_rows` lays out padded prompts for it.
 """
 
 from __future__ import annotations
@@ -123,15 +124,15 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def chunks_by_shape(shapes: list) -> list[list[int]]:
+def chunks_by_shape(shapes: list, size=lambda shape: PROMPTS_PER_FORWARD) -> list[list[int]]:
     """Indices of the items, grouped by equal shape (any hashable key) and cut into chunks of at
-    most PROMPTS_PER_FORWARD: the batches `forward_rows` computes without one item's numbers
-    depending on another's."""
+    most `size(shape)` (default PROMPTS_PER_FORWARD): the batches `forward_tokens` computes
+    without one item's numbers depending on another's."""
     groups: dict = {}
     for index, shape in enumerate(shapes):
         groups.setdefault(shape, []).append(index)
-    return [members[first:first + PROMPTS_PER_FORWARD] for members in groups.values()
-            for first in range(0, len(members), PROMPTS_PER_FORWARD)]
+    return [members[first:first + size(shape)] for shape, members in groups.items()
+            for first in range(0, len(members), size(shape))]
 
 
 def forward_rows(decoder: LeanDecoder, rows: list[list[int]], starts: list[int], cache,
@@ -144,7 +145,7 @@ def forward_rows(decoder: LeanDecoder, rows: list[list[int]], starts: list[int],
 
     Batched prompts' numbers depend on their padded width alone, not on which prompts share
     the forward (the tiles above; attention is one product per row): the prefill of sampling
-    and the re-test's teacher-forced drift both run it."""
+    runs it; the re-test's teacher-forced drift runs `forward_tokens` on packed rows."""
     n = len(rows)
     device = decoder.embed.device
     width = round_up(max(len(r) for r in rows), WIDTH_BUCKET)
@@ -156,13 +157,31 @@ def forward_rows(decoder: LeanDecoder, rows: list[list[int]], starts: list[int],
         real[row, where] = 1
     real = real.to(device)
     offsets = (real.cumsum(-1) - 1).clamp(min=0) if keep else torch.arange(width, device=device)
-    cos, sin = decoder.rotary(decoder.embed[:1],
-                              torch.tensor(starts, device=device)[:, None] + offsets)
+    hidden, extended = forward_tokens(decoder, ids, torch.tensor(starts, device=device)[:, None]
+                                      + offsets, causal_mask(real), cache, owner, keep)
+    if not keep:
+        return hidden, None
+    keys, values, earlier_mask = extended
+    own_mask = torch.where(real.bool(), 0.0, MASKED)
+    return hidden, (keys, values, own_mask if earlier_mask is None else
+                    torch.cat([earlier_mask, own_mask], dim=-1))
+
+
+def forward_tokens(decoder: LeanDecoder, ids: torch.Tensor, positions: torch.Tensor,
+                   mask: torch.Tensor, cache, owner: torch.Tensor | None = None,
+                   keep: bool = False):
+    """Token ids [n, W] at `positions` [n, W] through the decoder, attending among themselves
+    by the additive `mask` [n, W, W] and to `cache` (keys, values, mask as `forward_rows`
+    returns them; row r reads its `owner[r]`'s entry, every row the one entry without
+    `owner`) -> (hidden [n, W, D], with `keep` (every layer's keys, values, the cache's mask
+    for these rows or None) else None). Every product in `tiled_linear`'s tiles."""
+    n, width = ids.shape
+    device = decoder.embed.device
+    cos, sin = decoder.rotary(decoder.embed[:1], positions)
 
     def earlier(tensor):
         return tensor.expand(n, *tensor.shape[1:]) if owner is None else tensor[owner]
 
-    mask = causal_mask(real)  # [n, W, W]
     if cache is not None:
         mask = torch.cat([earlier(cache[2])[:, None].expand(-1, width, -1), mask], dim=-1)
     keys, values = [], []
@@ -172,14 +191,13 @@ def forward_rows(decoder: LeanDecoder, rows: list[list[int]], starts: list[int],
         if cache is not None:
             k_t = torch.cat([earlier(cache[0][index]), k_t], dim=-1)
             v = torch.cat([earlier(cache[1][index]), v], dim=-2)
-        keys.append(k_t)
-        values.append(v)
+        if keep:
+            keys.append(k_t)
+            values.append(v)
         return k_t, v
 
     hidden = decoder_layers(decoder, F.embedding(ids.to(device), decoder.embed), cos[:, :, None],
                             sin[:, :, None], mask, attend, tiled_linear)
     if not keep:
         return hidden, None
-    own_mask = torch.where(real.bool(), 0.0, MASKED)
-    return hidden, (keys, values, own_mask if cache is None else
-                    torch.cat([earlier(cache[2]), own_mask], dim=-1))
+    return hidden, (keys, values, None if cache is None else earlier(cache[2]))
