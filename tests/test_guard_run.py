@@ -30,11 +30,14 @@ def _reference(policy, completion, temperature: float, baseline: bool) -> torch.
     return torch.log_softmax(picked / temperature, dim=-1)
 
 
-@pytest.mark.parametrize("path", ["lean", "model"])
+@pytest.mark.parametrize("path", ["lean", "model", "torch"])
 def test_measure_drift_equals_one_forward_per_sequence(tiny_config, tmp_path, monkeypatch, path):
-    """The lean scorer (Llama here) and the model's own forward (any other architecture)."""
+    """The lean scorer (Llama here) and the model's own forward (any other architecture); the
+    KL and entropies on the native kernel, or (`torch`) without it."""
     if path == "model":
         monkeypatch.setattr(drift, "lean_decoder", lambda model: None)
+    if path == "torch":
+        monkeypatch.setenv("GRPOGATE_NATIVE", "0")
     policy = load_policy(tiny_config(tmp_path), seed=0)
     # Prompts and completions of different lengths, more than one batch of them; the prompts
     # share 20 tokens, so the forward's shared prefix (16, a whole width bucket) is cached.

@@ -264,6 +264,38 @@ def test_row_logsumexp_and_its_backward_by_hand(kernels):
     torch.testing.assert_close(grad, torch.tensor([[-1.25, 1.25], [0.0, 0.0]]))
 
 
+def test_row_kl_by_hand(kernels):
+    # p = softmax([0, ln 3]) = [1/4, 3/4], q = softmax([0, 0]) = [1/2, 1/2]:
+    # KL(p || q) = 1/4 ln(1/2) + 3/4 ln(3/2) = -0.1732868 + 0.3040988 = 0.1308120, and p's
+    # entropy 0.5623351 (above). At T = 2 own / T = [0, ln 3 / 2]: p = [1, sqrt 3] / (1 + sqrt
+    # 3) = [0.3660254, 0.6339746], KL = 0.3660254 ln(0.7320508) + 0.6339746 ln(1.2679492)
+    # = 0.3660254 (-0.3119054) + 0.6339746 (0.2374008) = -0.1141653 + 0.1505061 = 0.0363408.
+    # Row 1: p = q, so KL 0 and entropy ln 2.
+    own = torch.tensor([[0.0, math.log(3)], [1.0, 1.0]])
+    base = torch.tensor([[0.0, 0.0], [-4.0, -4.0]])
+    kl, entropy = kernels.row_kl(own, base, 1.0)
+    torch.testing.assert_close(kl, torch.tensor([0.1308120, 0.0]))
+    torch.testing.assert_close(entropy, torch.tensor([0.5623351, math.log(2)]))
+    torch.testing.assert_close(kernels.row_kl(own[:1], base[:1], 2.0)[0],
+                               torch.tensor([0.0363408]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_kl_matches_the_torch_formula(kernels, dtype):
+    """A vocabulary not a multiple of 16 lanes, logits spread like a model's (|z / T| up to
+    about 20): within float32 rounding of the float64 values of the same logits."""
+    generator = torch.Generator().manual_seed(5)
+    own = (torch.randn(23, 1003, generator=generator) * 4).to(dtype)
+    base = (own.float() + torch.randn(23, 1003, generator=generator)).to(dtype)
+    kl, entropy = kernels.row_kl(own, base, 0.7)
+    mine = torch.log_softmax(own.double() / 0.7, -1)
+    reference = torch.log_softmax(base.double() / 0.7, -1)
+    torch.testing.assert_close(kl.double(), (mine.exp() * (mine - reference)).sum(-1),
+                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy.double(), -(mine.exp() * mine).sum(-1), atol=2e-5,
+                               rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_native_log_prob_head_matches_torch(kernels, dtype, monkeypatch):
     """picked_logprobs on the kernels against the torch head, a vocabulary not a multiple of

@@ -28,17 +28,17 @@ from grpogate.inputs.policy import Policy, sampling_weights
 from grpogate.sampling.decoding import (WIDTH_BUCKET, cache_keyword, round_up,
                                        shared_prefix_length)
 from grpogate.sampling.lean_weights import lean_decoder
+from grpogate.sampling.native import native_kernels
 from grpogate.sampling.scoring import LeanScorer
 
-# Prompts whose full distributions are held between the candidate's and the baseline's
-# forwards: 16 groups x G 4 x ~14 tokens x 49k float32 is about 180 MB (48 tokens: 600 MB).
+# Prompts whose logits (the model's dtype) are held between the candidate's and the baseline's
+# forwards: 16 groups x G 4 x ~14 tokens x 49k bfloat16 is about 90 MB (48 tokens: 300 MB).
 SWAP_GROUPS = 16
 
 
-def _log_softmax_rows(model, completions: list, pad_id: int, temperature: float
-                      ) -> list[torch.Tensor]:
-    """One [tokens_i, V] float32 log-softmax(logits / temperature) per completion, at the
-    positions that predict its tokens. The prefix every prompt shares (system prompt, chat
+def _logit_rows(model, completions: list, pad_id: int) -> list[torch.Tensor]:
+    """One [tokens_i, V] tensor of next-token logits per completion, at the positions that
+    predict its tokens. The prefix every prompt shares (system prompt, chat
     template: most of a re-test prompt) is forwarded once and its KV cache repeated for the
     batch; each sequence's rest (prompt suffix + completion) follows, right-padded."""
     from transformers import DynamicCache
@@ -67,14 +67,12 @@ def _log_softmax_rows(model, completions: list, pad_id: int, temperature: float
     for row, completion in enumerate(completions):
         # Completion token j sits at rest column len(suffix) + j, predicted one column before.
         first = len(completion.prompt_token_ids) - shared - 1
-        picked = logits[row, first:first + len(completion.completion_token_ids)].float()
-        rows.append(torch.log_softmax(picked / temperature, dim=-1))
+        rows.append(logits[row, first:first + len(completion.completion_token_ids)])
     return rows
 
 
-def _policy_rows(policy: Policy, baseline: bool, pad_id: int, temperature: float,
-                 prefix: list[int]):
-    """groups -> their completions' log-softmax rows in order, under the baseline's or the
+def _policy_rows(policy: Policy, baseline: bool, pad_id: int, prefix: list[int]):
+    """groups -> their completions' next-token logits in order, under the baseline's or the
     candidate's weights whenever called. On the lean scorer (the shared `prefix` forwarded once),
     built here under those weights once: it keeps its own fused copies and references, valid
     after the merged tensors are swapped back. Else the model's forward, one prompt at a time,
@@ -86,8 +84,7 @@ def _policy_rows(policy: Policy, baseline: bool, pad_id: int, temperature: float
     if scorer is None:
         def model_rows(groups: list[list]) -> list[torch.Tensor]:
             with sampling_weights(policy, baseline=baseline):
-                return [r for group in groups
-                        for r in _log_softmax_rows(model, group, pad_id, temperature)]
+                return [r for group in groups for r in _logit_rows(model, group, pad_id)]
 
         return model_rows
 
@@ -95,10 +92,32 @@ def _policy_rows(policy: Policy, baseline: bool, pad_id: int, temperature: float
         scored = scorer.score([(list(group[0].prompt_token_ids[len(prefix):]),
                                 [list(c.completion_token_ids) for c in group])
                                for group in groups], pad_id)
-        return [torch.log_softmax(x.float() / temperature, dim=-1)
-                for logits in scored for x in logits]
+        return [x for logits in scored for x in logits]
 
     return rows
+
+
+def _values(own: torch.Tensor, base: torch.Tensor | None, temperature: float) -> dict:
+    """A completion's logits [tokens, V] under its policy (and the baseline's, for a candidate
+    completion) -> {"entropy"} (and "kl_to_baseline"): means over its tokens of p's entropy and
+    of KL(p || q), p and q the softmax(logits / temperature). On the native kernel where it
+    covers the dtype (two reads of each row, no float32 copy), else in torch."""
+    kernels = native_kernels(own.dtype, own.device)
+    if base is None:
+        if kernels is not None and own.numel():
+            return {"entropy": _mean(kernels.row_logsumexp(own.contiguous(), temperature,
+                                                           entropy=True)[1])}
+        return {"entropy": _mean(_entropy(_log_softmax(own, temperature)))}
+    if kernels is not None and own.numel():
+        kl, entropy = kernels.row_kl(own.contiguous(), base.contiguous(), temperature)
+    else:
+        mine, reference = _log_softmax(own, temperature), _log_softmax(base, temperature)
+        kl, entropy = (mine.exp() * (mine - reference)).sum(-1), _entropy(mine)
+    return {"entropy": _mean(entropy), "kl_to_baseline": _mean(kl)}
+
+
+def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
 def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
@@ -138,20 +157,18 @@ def measure_drift(policy: Policy, baseline: list, candidate: list, temperature: 
     shared = shared_prefix_length(prompts)
     prefix = prompts[0][:shared if shared_prefix is None else min(shared_prefix, shared)]
 
-    base_rows = _policy_rows(policy, True, pad_id, temperature, prefix)
-    own_rows = _policy_rows(policy, False, pad_id, temperature, prefix)
+    base_rows = _policy_rows(policy, True, pad_id, prefix)
+    own_rows = _policy_rows(policy, False, pad_id, prefix)
     baseline_values, candidate_values = [], []
     groups = _groups(baseline)
     for start in range(0, len(groups), SWAP_GROUPS):
-        baseline_values += [{"entropy": _mean(_entropy(r))}
+        baseline_values += [_values(r, None, temperature)
                             for r in base_rows(groups[start:start + SWAP_GROUPS])]
     groups = _groups(candidate)
     for start in range(0, len(groups), SWAP_GROUPS):
         chunk = groups[start:start + SWAP_GROUPS]
-        mine, reference = own_rows(chunk), base_rows(chunk)
-        for own, base in zip(mine, reference):
-            kl = (own.exp() * (own - base)).sum(-1)
-            candidate_values.append({"entropy": _mean(_entropy(own)), "kl_to_baseline": _mean(kl)})
+        candidate_values += [_values(own, base, temperature)
+                             for own, base in zip(own_rows(chunk), base_rows(chunk))]
     return baseline_values, candidate_values
 
 

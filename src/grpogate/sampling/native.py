@@ -1,5 +1,5 @@
-"""Native kernels for the lean decoder's decode step, the sampler's draw and the update's
-log-prob head: built once per machine, optional.
+"""Native kernels for the lean decoder's decode step, the sampler's draw, the update's log-prob
+head and the re-test drift's KL: built once per machine, optional.
 
 `native_kernels()` compiles native_kernels.cpp with the system C++ compiler the first time it
 is asked on a machine (about 3 s), keeps the shared library in the cache directory
@@ -7,8 +7,9 @@ is asked on a machine (about 3 s), keeps the shared library in the cache directo
 and the CPU's flags, and loads it through ctypes. Where there is no compiler, the build fails,
 the dtype is neither bfloat16 nor float32, or `GRPOGATE_NATIVE=0` is set, it returns None and
 the decoder runs its torch operations instead (decoding.LeanStepper records which ran: `lean`
-or `lean-native`), and so does the update's log-prob head (training.logprobs). The library
-holds only our own source; nothing a run directory names is ever built or loaded here.
+or `lean-native`), and so do the update's log-prob head (training.logprobs), the sampler's
+draw (sampling.rollout) and the drift's KL (sampling.drift). The library holds only our own
+source; nothing a run directory names is ever built or loaded here.
 """
 
 from __future__ import annotations
@@ -91,9 +92,11 @@ class NativeKernels:
                                                       _VOID, _VOID, _VOID, _VOID, _VOID]
         library.grpogate_sample_rows.argtypes = [_INT, _VOID, _LONG, _LONG, _FLOAT, _FLOAT, _LONG,
                                                  _VOID, _VOID, _VOID]
+        library.grpogate_row_kl.argtypes = [_INT, _VOID, _VOID, _LONG, _LONG, _FLOAT, _VOID,
+                                            _VOID]
         for function in ("grpogate_rms_norm", "grpogate_add_rms_norm", "grpogate_silu_mul",
                          "grpogate_row_logsumexp", "grpogate_logprob_backward",
-                         "grpogate_sample_rows"):
+                         "grpogate_sample_rows", "grpogate_row_kl"):
             getattr(library, function).restype = None
         library.grpogate_decode_attention.restype = _INT
 
@@ -155,6 +158,17 @@ class NativeKernels:
                                             temperature, lse.data_ptr(),
                                             spread.data_ptr() if entropy else None)
         return lse, spread
+
+    def row_kl(self, own: torch.Tensor, base: torch.Tensor,
+               temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """own, base [R, V] of one dtype -> float32 (KL(p || q), entropy of p) [R] per row, p =
+        softmax(own / temperature), q = softmax(base / temperature)."""
+        rows, vocab = own.shape
+        kl = torch.empty(rows, dtype=torch.float32)
+        entropy = torch.empty(rows, dtype=torch.float32)
+        self.library.grpogate_row_kl(DTYPES[own.dtype], own.data_ptr(), base.data_ptr(), rows,
+                                     vocab, temperature, kl.data_ptr(), entropy.data_ptr())
+        return kl, entropy
 
     def logprob_backward(self, logits: torch.Tensor, lse: torch.Tensor, temperature: float,
                          offsets: torch.Tensor, order: torch.Tensor, targets: torch.Tensor,

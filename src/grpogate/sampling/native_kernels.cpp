@@ -1,5 +1,6 @@
 // The lean decoder's decode step outside its matrix products, as four native kernels; the
-// update's log-prob head (a row logsumexp and its backward), two more; and the sampler's draw.
+// update's log-prob head (a row logsumexp and its backward), two more; the sampler's draw; and
+// the re-test drift's KL and entropy.
 //
 // A decode step at batch 64 spends about as long around its products as in them: some fifty
 // small tensor operations per layer (norms, RoPE, cache writes, four tiny batched products and
@@ -373,6 +374,33 @@ void row_logsumexp(const typename E::T* logits, long rows, long vocab, float tem
   }
 }
 
+// The re-test's drift: own, base [rows, vocab] (two policies' logits at the same positions) ->
+// per row the exact KL(p || q) = sum p (log p - log q) of p = softmax(own / T), q =
+// softmax(base / T), and p's entropy -sum p log p. Each row's logits are read twice (the maxima,
+// then the sums), the log-probs formed per element as the torch path forms them; float32, each
+// sum in lane_sum's fixed order.
+template <class E>
+void row_kl(const typename E::T* own, const typename E::T* base, long rows, long vocab,
+            float temperature, float* kl, float* entropy) {
+#pragma omp parallel
+  {
+    std::vector<float> a(vocab), b(vocab), e(vocab);
+#pragma omp for schedule(static)
+    for (long r = 0; r < rows; ++r) {
+      for (long v = 0; v < vocab; ++v) a[v] = E::load(own[r * vocab + v]) / temperature;
+      for (long v = 0; v < vocab; ++v) b[v] = E::load(base[r * vocab + v]) / temperature;
+      const float top_a = max_of(a.data(), vocab), top_b = max_of(b.data(), vocab);
+      for (long v = 0; v < vocab; ++v) e[v] = exp_f32(a[v] - top_a);
+      const float lse_a = top_a + std::log(sum_of(e.data(), vocab));
+      const float lse_b = top_b + std::log(lane_sum(vocab, [&](long v) {
+        return exp_f32(b[v] - top_b); }));
+      for (long v = 0; v < vocab; ++v) a[v] -= lse_a;  // log p
+      kl[r] = lane_sum(vocab, [&](long v) { return exp_f32(a[v]) * (a[v] - (b[v] - lse_b)); });
+      entropy[r] = -lane_sum(vocab, [&](long v) { return exp_f32(a[v]) * a[v]; });
+    }
+  }
+}
+
 // The gradient of values[m] = z[index[m], target[m]] / T - lse[index[m]] with respect to the
 // logits, given d loss / d values[m] = grad[m]: for row u with tokens m (their indices into
 // `grad` and `target` listed in order[offsets[u] .. offsets[u + 1])),
@@ -510,6 +538,15 @@ void grpogate_row_logsumexp(int bf16, const void* logits, long rows, long vocab,
     row_logsumexp<BF16>((const uint16_t*)logits, rows, vocab, temperature, lse, entropy);
   else
     row_logsumexp<F32>((const float*)logits, rows, vocab, temperature, lse, entropy);
+}
+
+void grpogate_row_kl(int bf16, const void* own, const void* base, long rows, long vocab,
+                     float temperature, float* kl, float* entropy) {
+  if (bf16)
+    row_kl<BF16>((const uint16_t*)own, (const uint16_t*)base, rows, vocab, temperature, kl,
+                 entropy);
+  else
+    row_kl<F32>((const float*)own, (const float*)base, rows, vocab, temperature, kl, entropy);
 }
 
 void grpogate_logprob_backward(int bf16, const void* logits, const float* lse, long rows,
