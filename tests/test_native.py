@@ -53,7 +53,8 @@ def _one_row_attention(kernels, prompt_keys, prompt_values, prompt_mask, qkv, co
     own_keys = torch.zeros(1, 1, d, capacity) if own is None else own[0]
     own_values = torch.zeros(1, 1, capacity, d) if own is None else own[1]
     out = kernels.decode_attention(
-        qkv, cos, sin, torch.tensor([0]), torch.tensor([0]), prompt_mask, prompt_keys,
+        qkv, cos, sin, torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), prompt_mask,
+        prompt_keys,
         prompt_values, own_keys, own_values, column, heads=1, scale=1.0)
     return out, own_keys, own_values
 
@@ -103,7 +104,9 @@ def test_decode_attention_rotates_query_and_key_by_hand(kernels):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, dtype):
     """The same row computed in a batch of 24 rows and alone: bit-identical outputs (attention,
-    norms, SiLU), which is what keeps a prompt's samples independent of its batch and rank."""
+    norms, SiLU), which is what keeps a prompt's samples independent of its batch and rank.
+    Alone, the row reads its own cache at its slot of the whole batch's (`slot_of_row`), or
+    from a cache holding only its slot; it writes its key and value there alone."""
     generator = torch.Generator().manual_seed(0)
     rows, heads, kv_heads, d, span, capacity, column = 24, 6, 2, 32, 32, 16, 5
 
@@ -118,15 +121,25 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, dtype):
     positions = torch.randint(0, 64, (rows,), generator=generator)
     prompt_of_row = torch.arange(rows) // 8
 
-    def attention(selected):
+    def attention(selected, keys, values, slots):
         return kernels.decode_attention(
-            qkv[selected], cos, sin, positions[selected], prompt_of_row[selected], prompt_mask,
-            prompt_keys, prompt_values, own_keys[selected].clone(),
-            own_values[selected].clone(), column, heads, 0.125)
+            qkv[selected], cos, sin, positions[selected], prompt_of_row[selected], slots,
+            prompt_mask, prompt_keys, prompt_values, keys, values, column, heads, 0.125)
 
-    batch = attention(torch.arange(rows))
+    every = torch.arange(rows)
+    batch_keys, batch_values = own_keys.clone(), own_values.clone()
+    batch = attention(every, batch_keys, batch_values, every)
     for row in (0, 13, 23):
-        assert torch.equal(attention(torch.tensor([row]))[0], batch[row])
+        only = torch.tensor([row])
+        alone = attention(only, own_keys[only].clone(), own_values[only].clone(),
+                          torch.tensor([0]))
+        assert torch.equal(alone[0], batch[row])
+        keys, values = own_keys.clone(), own_values.clone()
+        assert torch.equal(attention(only, keys, values, only)[0], batch[row])
+        assert torch.equal(keys[row], batch_keys[row]) and torch.equal(values[row],
+                                                                       batch_values[row])
+        others = every != row
+        assert torch.equal(keys[others], own_keys[others])  # no other slot written
     hidden, weight = rand(rows, 64), rand(64)
     assert torch.equal(kernels.rms_norm(hidden[13:14], weight, 1e-5)[0],
                        kernels.rms_norm(hidden, weight, 1e-5)[13])

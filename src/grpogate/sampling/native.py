@@ -85,7 +85,7 @@ class NativeKernels:
         library.grpogate_add_rms_norm.argtypes = [_INT, _VOID, _VOID, _VOID, _VOID, _LONG,
                                                   _LONG, _FLOAT]
         library.grpogate_silu_mul.argtypes = [_INT, _VOID, _VOID, _LONG, _LONG]
-        library.grpogate_decode_attention.argtypes = [_INT] + [_LONG] * 7 + [_FLOAT] + [_VOID] * 11
+        library.grpogate_decode_attention.argtypes = [_INT] + [_LONG] * 7 + [_FLOAT] + [_VOID] * 12
         library.grpogate_row_logsumexp.argtypes = [_INT, _VOID, _LONG, _LONG, _FLOAT, _VOID,
                                                    _VOID]
         library.grpogate_logprob_backward.argtypes = [_INT, _VOID, _VOID, _LONG, _LONG, _FLOAT,
@@ -124,23 +124,26 @@ class NativeKernels:
                                        rows, inter)
         return out
 
-    def decode_attention(self, qkv, cos, sin, positions, prompt_of_row, prompt_mask,
-                         prompt_keys, prompt_values, own_keys, own_values, column: int,
-                         heads: int, scale: float) -> torch.Tensor:
+    def decode_attention(self, qkv, cos, sin, positions, prompt_of_row, slot_of_row,
+                         prompt_mask, prompt_keys, prompt_values, own_keys, own_values,
+                         column: int, heads: int, scale: float) -> torch.Tensor:
         """One decode step's attention for every row (decoding.LeanStepper's cache layout).
 
-        qkv [N, (H + 2 Hkv) d] (before RoPE); cos/sin [C, d]; positions, prompt_of_row [N]
-        int64; prompt_mask [n, S] additive float32; prompt_keys [n, Hkv, d, S] and
-        prompt_values [n, Hkv, S, d]; own_keys [N, Hkv, d, T] and own_values [N, Hkv, T, d],
-        into which the rows' rotated keys and values are written at `column`; S and T
-        multiples of 16 -> [N, H d]."""
-        rows, kv_heads, capacity, head_dim = own_values.shape
+        qkv [N, (H + 2 Hkv) d] (before RoPE); cos/sin [C, d]; positions, prompt_of_row,
+        slot_of_row [N] int64; prompt_mask [n, S] additive float32; prompt_keys [n, Hkv, d, S]
+        and prompt_values [n, Hkv, S, d]; own_keys [M, Hkv, d, T] and own_values [M, Hkv, T,
+        d], M >= N slots, row r's at slot_of_row[r], into which the rows' rotated keys and
+        values are written at `column` (columns after it are scored and ignored, never summed:
+        they need no zeros); S and T multiples of 16 -> [N, H d]."""
+        rows = qkv.shape[0]
+        _, kv_heads, capacity, head_dim = own_values.shape
         out = qkv.new_empty((rows, heads * head_dim))
         refused = self.library.grpogate_decode_attention(
             DTYPES[qkv.dtype], rows, heads, kv_heads, head_dim, prompt_keys.shape[-1], capacity,
             column, scale, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-            prompt_of_row.data_ptr(), prompt_mask.data_ptr(), prompt_keys.data_ptr(),
-            prompt_values.data_ptr(), own_keys.data_ptr(), own_values.data_ptr(), out.data_ptr())
+            prompt_of_row.data_ptr(), slot_of_row.data_ptr(), prompt_mask.data_ptr(),
+            prompt_keys.data_ptr(), prompt_values.data_ptr(), own_keys.data_ptr(),
+            own_values.data_ptr(), out.data_ptr())
         if refused:  # `covers` is asked first; this is the kernel's own guard
             raise ValueError(f"native decode attention not built for {heads} heads over "
                              f"{kv_heads} KV heads of {head_dim}, {prompt_keys.shape[-1]} "

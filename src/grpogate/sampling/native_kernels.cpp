@@ -296,13 +296,16 @@ void attend_one(const StepShape& s, const typename E::T* qkv, const typename E::
     weigh_values<E, G, 16>(scores, stride, span, own, prompt_v, own_v, d, out + kv_head * G * d);
 }
 
+// Every row r of the batch: its prompt's cache is entry prompt_of_row[r], its own cache slot
+// slot_of_row[r] of own_keys / own_values (the slots of rows that left stay where they are, so
+// no cache is copied when rows leave the batch).
 template <class E, int G>
 void decode_attention(const StepShape& s, const typename E::T* qkv, const typename E::T* cos,
                       const typename E::T* sin, const int64_t* positions,
-                      const int64_t* prompt_of_row, const float* prompt_mask,
-                      const typename E::T* prompt_keys, const typename E::T* prompt_values,
-                      typename E::T* own_keys, typename E::T* own_values,
-                      typename E::T* out) {
+                      const int64_t* prompt_of_row, const int64_t* slot_of_row,
+                      const float* prompt_mask, const typename E::T* prompt_keys,
+                      const typename E::T* prompt_values, typename E::T* own_keys,
+                      typename E::T* own_values, typename E::T* out) {
   const long d = s.head_dim, qkv_width = (s.heads + 2 * s.kv_heads) * d;
   const long tasks = s.rows * s.kv_heads;
 #pragma omp parallel
@@ -311,13 +314,13 @@ void decode_attention(const StepShape& s, const typename E::T* qkv, const typena
 #pragma omp for schedule(static)
     for (long task = 0; task < tasks; ++task) {
       const long r = task / s.kv_heads, kv_head = task % s.kv_heads;
-      const long p = prompt_of_row[r];
+      const long p = prompt_of_row[r], slot = slot_of_row[r];
       attend_one<E, G>(s, qkv + r * qkv_width, cos + positions[r] * d, sin + positions[r] * d,
                        prompt_mask + p * s.span,
                        prompt_keys + p * s.kv_heads * d * s.span,
                        prompt_values + p * s.kv_heads * s.span * d,
-                       own_keys + r * s.kv_heads * s.own_capacity * d,
-                       own_values + r * s.kv_heads * s.own_capacity * d,
+                       own_keys + slot * s.kv_heads * s.own_capacity * d,
+                       own_values + slot * s.kv_heads * s.own_capacity * d,
                        out + r * s.heads * d, kv_head, scratch);
     }
   }
@@ -326,13 +329,15 @@ void decode_attention(const StepShape& s, const typename E::T* qkv, const typena
 template <class E>
 int decode_attention_any(const StepShape& s, const void* qkv, const void* cos, const void* sin,
                          const int64_t* positions, const int64_t* prompt_of_row,
-                         const float* prompt_mask, const void* prompt_keys,
+                         const int64_t* slot_of_row, const float* prompt_mask,
+                         const void* prompt_keys,
                          const void* prompt_values, void* own_keys, void* own_values,
                          void* out) {
   using T = typename E::T;
   auto run = [&](auto group) {
     decode_attention<E, decltype(group)::value>(
-        s, (const T*)qkv, (const T*)cos, (const T*)sin, positions, prompt_of_row, prompt_mask,
+        s, (const T*)qkv, (const T*)cos, (const T*)sin, positions, prompt_of_row, slot_of_row,
+        prompt_mask,
         (const T*)prompt_keys, (const T*)prompt_values, (T*)own_keys, (T*)own_values, (T*)out);
     return 0;
   };
@@ -520,16 +525,18 @@ int grpogate_decode_attention(int bf16, long rows, long heads, long kv_heads, lo
                               long span, long own_capacity, long column, float scale,
                               const void* qkv, const void* cos, const void* sin,
                               const int64_t* positions, const int64_t* prompt_of_row,
-                              const float* prompt_mask, const void* prompt_keys,
-                              const void* prompt_values, void* own_keys, void* own_values,
-                              void* out) {
+                              const int64_t* slot_of_row, const float* prompt_mask,
+                              const void* prompt_keys, const void* prompt_values,
+                              void* own_keys, void* own_values, void* out) {
   if (span % 16 != 0 || own_capacity % 16 != 0 || head_dim % 16 != 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP) return 1;
   const StepShape s{rows, heads, kv_heads, head_dim, span, own_capacity, column, scale};
   if (bf16)
-    return decode_attention_any<BF16>(s, qkv, cos, sin, positions, prompt_of_row, prompt_mask,
-                                      prompt_keys, prompt_values, own_keys, own_values, out);
-  return decode_attention_any<F32>(s, qkv, cos, sin, positions, prompt_of_row, prompt_mask,
-                                   prompt_keys, prompt_values, own_keys, own_values, out);
+    return decode_attention_any<BF16>(s, qkv, cos, sin, positions, prompt_of_row, slot_of_row,
+                                      prompt_mask, prompt_keys, prompt_values, own_keys,
+                                      own_values, out);
+  return decode_attention_any<F32>(s, qkv, cos, sin, positions, prompt_of_row, slot_of_row,
+                                   prompt_mask, prompt_keys, prompt_values, own_keys, own_values,
+                                   out);
 }
 
 void grpogate_row_logsumexp(int bf16, const void* logits, long rows, long vocab,
