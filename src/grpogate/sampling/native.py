@@ -94,9 +94,15 @@ class NativeKernels:
                                                  _VOID, _VOID, _VOID]
         library.grpogate_row_kl.argtypes = [_INT, _VOID, _VOID, _LONG, _LONG, _FLOAT, _VOID,
                                             _VOID]
+        library.grpogate_rms_norm_backward.argtypes = [_INT, _VOID, _VOID, _VOID, _VOID, _LONG,
+                                                       _LONG, _FLOAT]
+        library.grpogate_swiglu.argtypes = [_INT, _VOID, _VOID, _VOID, _LONG]
+        library.grpogate_swiglu_backward.argtypes = [_INT, _VOID, _VOID, _VOID, _VOID, _VOID,
+                                                     _LONG]
         for function in ("grpogate_rms_norm", "grpogate_add_rms_norm", "grpogate_silu_mul",
                          "grpogate_row_logsumexp", "grpogate_logprob_backward",
-                         "grpogate_sample_rows", "grpogate_row_kl"):
+                         "grpogate_sample_rows", "grpogate_row_kl", "grpogate_rms_norm_backward",
+                         "grpogate_swiglu", "grpogate_swiglu_backward"):
             getattr(library, function).restype = None
         library.grpogate_decode_attention.restype = _INT
 
@@ -123,6 +129,31 @@ class NativeKernels:
         self.library.grpogate_silu_mul(DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
                                        rows, inter)
         return out
+
+    def rms_norm_backward(self, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+        """x, grad [N, D] -> d loss / d x of rms_norm(x, weight) [N, D] (the weight frozen)."""
+        out = torch.empty_like(x)
+        self.library.grpogate_rms_norm_backward(DTYPES[x.dtype], x.data_ptr(), weight.data_ptr(),
+                                                grad.data_ptr(), out.data_ptr(), x.shape[0],
+                                                x.shape[1], eps)
+        return out
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up of one shape -> silu(gate) * up, as silu_mul computes it."""
+        out = torch.empty_like(gate)
+        self.library.grpogate_swiglu(DTYPES[gate.dtype], gate.data_ptr(), up.data_ptr(),
+                                     out.data_ptr(), gate.numel())
+        return out
+
+    def swiglu_backward(self, gate: torch.Tensor, up: torch.Tensor,
+                        grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (d loss / d gate, d loss / d up) of swiglu(gate, up), given its output's grad."""
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        self.library.grpogate_swiglu_backward(DTYPES[gate.dtype], gate.data_ptr(), up.data_ptr(),
+                                              grad.data_ptr(), d_gate.data_ptr(),
+                                              d_up.data_ptr(), gate.numel())
+        return d_gate, d_up
 
     def decode_attention(self, qkv, cos, sin, positions, prompt_of_row, slot_of_row,
                          prompt_mask, prompt_keys, prompt_values, own_keys, own_values,

@@ -1,6 +1,7 @@
 // The lean decoder's decode step outside its matrix products, as four native kernels; the
-// update's log-prob head (a row logsumexp and its backward), two more; the sampler's draw; and
-// the re-test drift's KL and entropy.
+// update's log-prob head (a row logsumexp and its backward), two more; the update's RMSNorm
+// backward and SwiGLU forward and backward; the sampler's draw; and the re-test drift's KL and
+// entropy.
 //
 // A decode step at batch 64 spends about as long around its products as in them: some fifty
 // small tensor operations per layer (norms, RoPE, cache writes, four tiny batched products and
@@ -161,6 +162,61 @@ void silu_mul(const typename E::T* gate_up, typename E::T* out, long rows, long 
       const float silu = E::round(g / (1.0f + exp_f32(-g)));
       o[i] = E::store(silu * E::load(up[i]));
     }
+  }
+}
+
+// The update's RMSNorm backward (the norm's weight frozen): y = w * round(x r), r =
+// 1 / sqrt(mean(x^2) + eps). With gh = round(grad * w), the product autograd rounds to the
+// dtype, dx = r gh - x r^3 sum(gh x) / dim in float32, rounded once per element.
+template <class E>
+void rms_norm_backward(const typename E::T* x, const typename E::T* weight,
+                       const typename E::T* grad, typename E::T* out, long rows, long dim,
+                       float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= 16384)
+  for (long r = 0; r < rows; ++r) {
+    const typename E::T* xr = x + r * dim;
+    const typename E::T* gr = grad + r * dim;
+    const float squares = lane_sum(dim, [xr](long i) {
+      const float v = E::load(xr[i]);
+      return v * v;
+    });
+    const float inverse = 1.0f / std::sqrt(squares / float(dim) + eps);
+    const float dot = lane_sum(dim, [&](long i) {
+      return E::round(E::load(gr[i]) * E::load(weight[i])) * E::load(xr[i]);
+    });
+    const float shift = inverse * inverse * inverse * dot / float(dim);
+    for (long i = 0; i < dim; ++i) {
+      const float gh = E::round(E::load(gr[i]) * E::load(weight[i]));
+      out[r * dim + i] = E::store(inverse * gh - E::load(xr[i]) * shift);
+    }
+  }
+}
+
+// The update's SwiGLU on transformers' two projections: out = round(silu(gate)) * up, rounded
+// (silu_mul's numbers); and its backward for grad: d_up = round(grad silu(gate)) with silu
+// rounded as in the forward, d_gate = round(round(grad up) silu'(gate)), silu'(g) = s (1 + g
+// (1 - s)), s the logistic of g: the roundings autograd makes on the same operations.
+template <class E>
+void swiglu(const typename E::T* gate, const typename E::T* up, typename E::T* out,
+            long count) {
+#pragma omp parallel for schedule(static) if (count >= 16384)
+  for (long i = 0; i < count; ++i) {
+    const float g = E::load(gate[i]);
+    out[i] = E::store(E::round(g / (1.0f + exp_f32(-g))) * E::load(up[i]));
+  }
+}
+
+template <class E>
+void swiglu_backward(const typename E::T* gate, const typename E::T* up,
+                     const typename E::T* grad, typename E::T* d_gate, typename E::T* d_up,
+                     long count) {
+#pragma omp parallel for schedule(static) if (count >= 16384)
+  for (long i = 0; i < count; ++i) {
+    const float g = E::load(gate[i]), dy = E::load(grad[i]);
+    const float denominator = 1.0f + exp_f32(-g), logistic = 1.0f / denominator;
+    d_up[i] = E::store(dy * E::round(g / denominator));
+    const float slope = logistic * (1.0f + g * (1.0f - logistic));
+    d_gate[i] = E::store(E::round(dy * E::load(up[i])) * slope);
   }
 }
 
@@ -545,6 +601,33 @@ void grpogate_row_logsumexp(int bf16, const void* logits, long rows, long vocab,
     row_logsumexp<BF16>((const uint16_t*)logits, rows, vocab, temperature, lse, entropy);
   else
     row_logsumexp<F32>((const float*)logits, rows, vocab, temperature, lse, entropy);
+}
+
+void grpogate_rms_norm_backward(int bf16, const void* x, const void* weight, const void* grad,
+                                void* out, long rows, long dim, float eps) {
+  if (bf16)
+    rms_norm_backward<BF16>((const uint16_t*)x, (const uint16_t*)weight, (const uint16_t*)grad,
+                            (uint16_t*)out, rows, dim, eps);
+  else
+    rms_norm_backward<F32>((const float*)x, (const float*)weight, (const float*)grad,
+                           (float*)out, rows, dim, eps);
+}
+
+void grpogate_swiglu(int bf16, const void* gate, const void* up, void* out, long count) {
+  if (bf16)
+    swiglu<BF16>((const uint16_t*)gate, (const uint16_t*)up, (uint16_t*)out, count);
+  else
+    swiglu<F32>((const float*)gate, (const float*)up, (float*)out, count);
+}
+
+void grpogate_swiglu_backward(int bf16, const void* gate, const void* up, const void* grad,
+                              void* d_gate, void* d_up, long count) {
+  if (bf16)
+    swiglu_backward<BF16>((const uint16_t*)gate, (const uint16_t*)up, (const uint16_t*)grad,
+                          (uint16_t*)d_gate, (uint16_t*)d_up, count);
+  else
+    swiglu_backward<F32>((const float*)gate, (const float*)up, (const float*)grad,
+                         (float*)d_gate, (float*)d_up, count);
 }
 
 void grpogate_row_kl(int bf16, const void* own, const void* base, long rows, long vocab,

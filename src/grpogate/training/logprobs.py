@@ -25,6 +25,7 @@ import torch
 
 from grpogate.sampling.decoding import WIDTH_BUCKET, cache_keyword, left_pad, round_up
 from grpogate.sampling.native import native_kernels
+from grpogate.training.fused_layers import fused_norms_and_swiglu
 from grpogate.training.lora_forward import base_dtype_lora
 from grpogate.training.tree_attention import tree_attention
 
@@ -309,8 +310,9 @@ def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 6
 def micro_batch_logprobs(model, packed: PackedGroups | PackedRow, per_prompt: int,
                          temperature: float, entropy: list | None = None) -> torch.Tensor:
     """Log-probs [N, T] of a micro-batch in either layout (`batching.pack_rows` chooses), the
-    LoRA layers in the base's dtype where that applies (`lora_forward`)."""
-    with base_dtype_lora(model):
+    LoRA layers in the base's dtype where that applies (`lora_forward`), the RMSNorms and
+    SwiGLUs on the native kernels where they build (`fused_layers`)."""
+    with base_dtype_lora(model), fused_norms_and_swiglu(model):
         if isinstance(packed, PackedRow):
             return packed_logprobs(model, packed, temperature, entropy=entropy)
         return shared_prompt_logprobs(model, packed, per_prompt, temperature, entropy=entropy)
