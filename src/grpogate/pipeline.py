@@ -165,8 +165,12 @@ def prepare(admission: Admission) -> Prepared:
                        config.max_prompt_tokens) if problems else []
         for problems in (admission.train, admission.eval, admission.guard))
     trainable = trainable_parameters(policy)
+    # fused: one kernel over all LoRA tensors instead of a dozen operations per tensor (420 of
+    # them on SmolLM2: 19 -> 4 ms a step on a 2-core CPU), rounding like the loop to an ulp;
+    # transformers' Trainer (TRL's) defaults to it too ("adamw_torch_fused", torch >= 2.8).
+    fused = all(p.device.type in ("cpu", "cuda") for p in trainable.values())
     optimizer = torch.optim.AdamW(trainable.values(), lr=config.learning_rate,
-                                  weight_decay=config.weight_decay)
+                                  weight_decay=config.weight_decay, fused=fused or None)
     return Prepared(policy=policy, train_prompts=train_prompts, eval_prompts=eval_prompts,
                     trainable=trainable, optimizer=optimizer,
                     inputs=input_identity(admission, policy), load_seconds=load_seconds,
