@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random-weight Llama saved as a Hugging Face directory (no download).
+"""Shared fixtures: a tiny random-weight Llama saved as a Hugging Face directory (no download);
+the native kernels, or a skip where they do not build.
 
 The tokenizer is the bundled SmolLM2 one (vocabulary 49,152, EOS id 2), so chat templates and
 EOS handling are the real ones; the weights are 2 layers of hidden size 64, built from a config
@@ -27,6 +28,19 @@ TINY_SIZES = {
     "device": "cpu",
     "dtype": "float32",
 }
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The native kernels (sampling/native.py) for float32 CPU tensors."""
+    import torch
+
+    from grpogate.sampling import native
+
+    found = native.native_kernels(torch.float32, torch.device("cpu"))
+    if found is None:
+        pytest.skip("no C++ compiler with OpenMP on this machine: the torch path runs")
+    return found
 
 
 @pytest.fixture(scope="session")

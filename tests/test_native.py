@@ -20,14 +20,6 @@ from test_decoding import PROMPT_SETS, SIZES, tiny
 MASKED = -1e30
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    found = native.native_kernels(torch.float32, torch.device("cpu"))
-    if found is None:
-        pytest.skip("no C++ compiler with OpenMP on this machine: the torch path runs")
-    return found
-
-
 def test_rms_norm_and_silu_mul_by_hand(kernels):
     # x = [3, 4]: mean square (9 + 16) / 2 = 12.5, 1 / sqrt(12.5) = 0.2828427;
     # x * that = [0.8485281, 1.1313708], times weight [1, 2] -> [0.8485281, 2.2627417].

@@ -23,10 +23,12 @@ of the variance (the decode step's native norms have always summed this way).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from grpogate.sampling.native import NativeKernels, native_kernels
+from grpogate.training.lora_forward import forwards_replaced
 
 NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")
 MLPS = ("LlamaMLP", "Qwen2MLP")
@@ -84,24 +86,18 @@ def fused_norms_and_swiglu(model):
     (see above) where they build for the model's dtype on a CPU; elsewhere a no-op."""
     parameter = next(model.parameters())
     kernels = native_kernels(parameter.dtype, parameter.device)
-    patched = []
-    if kernels is not None:
-        for module in model.modules():
-            name = type(module).__name__
-            if "forward" in vars(module):
-                continue
-            if name in NORMS:
-                forward = _norm_forward
-            elif name in MLPS and type(module.act_fn).__name__ in ("SiLUActivation", "SiLU"):
-                forward = _mlp_forward
-            else:
-                continue
-            transformers_forward = module.forward
-            module.forward = (lambda x, m=module, f=forward, t=transformers_forward:
-                              f(m, t, kernels, x))
-            patched.append(module)
-    try:
+    replacements = []
+    for module in [] if kernels is None else model.modules():
+        name = type(module).__name__
+        if "forward" in vars(module):
+            continue
+        if name in NORMS:
+            forward = _norm_forward
+        elif name in MLPS and type(module.act_fn).__name__ in ("SiLUActivation", "SiLU"):
+            forward = _mlp_forward
+        else:
+            continue
+        replacements.append((module, functools.partial(forward, module, module.forward,
+                                                       kernels)))
+    with forwards_replaced(replacements):
         yield
-    finally:
-        for module in patched:
-            del module.forward

@@ -48,12 +48,22 @@ def base_dtype_lora(model):
     """Inside this block, `model`'s plain LoRA linears run in the base's dtype (see above)."""
     from peft.tuners.lora import Linear
 
+    with forwards_replaced((module, functools.partial(_forward, module, module.forward))
+                           for module in model.modules()
+                           if type(module) is Linear and not module.fan_in_fan_out
+                           and "forward" not in vars(module)):
+        yield
+
+
+@contextlib.contextmanager
+def forwards_replaced(replacements):
+    """(module, forward) pairs: inside this block each module's forward is the one given (an
+    instance attribute, deleted after the block, so the class's forward returns)."""
     patched = []
-    for module in model.modules():
-        if type(module) is Linear and not module.fan_in_fan_out and "forward" not in vars(module):
-            module.forward = functools.partial(_forward, module, module.forward)
-            patched.append(module)
     try:
+        for module, forward in replacements:
+            module.forward = forward
+            patched.append(module)
         yield
     finally:
         for module in patched:
