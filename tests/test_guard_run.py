@@ -16,7 +16,12 @@ from grpogate.evidence.audit import audit_run
 from grpogate.inputs.policy import load_policy, sampling_weights
 from grpogate.sampling import drift
 from grpogate.sampling.drift import SWAP_GROUPS, measure_drift
-from grpogate.sampling.rollout import Completion
+from grpogate.interrupts import StopRequest
+from grpogate.inputs.tasks import Problem
+from grpogate.pipeline import NullReporter
+from grpogate.sampling import retest, rollout
+from grpogate.sampling.rollout import Completion, encode_prompts, generate_completions
+from grpogate.verifiers import get_verifier
 from grpogate.training import loop as training
 
 
@@ -64,6 +69,58 @@ def test_measure_drift_equals_one_forward_per_sequence(tiny_config, tmp_path, mo
     # A torchrun shard re-tests every other prompt: its values are the same numbers, bit for bit.
     shard = completions[1::2]
     assert measure_drift(policy, shard, shard, 0.7) == (baseline[1::2], candidate[1::2])
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_the_drift_measured_while_sampling_equals_the_teacher_forced_one(
+        tiny_config, tmp_path, monkeypatch, path):
+    """The re-test measures the drift in lockstep with sampling (a baseline stepper fed the
+    candidate's tokens); on the same completions, `measure_drift`'s teacher-forced forwards
+    give the same values (float32: only summation order differs), and a torchrun shard of
+    the prompts records the same numbers bit for bit."""
+    if path == "torch":
+        monkeypatch.setenv("GRPOGATE_NATIVE", "0")
+    config = tiny_config(tmp_path, max_new_tokens=12, eval_group_size=3)
+    policy = load_policy(config, seed=0)
+    perturb_lora_b(policy.model)
+    problems = [Problem(prompt_id=f"p{i}", question=f"What is {i} + {i}?", reference=str(2 * i),
+                        source="test") for i in range(5)]
+    prompts = encode_prompts(policy.tokenizer, problems, config.resolved_system_prompt(),
+                             config.max_prompt_tokens)
+    # The random model rarely samples EOS: call a tenth of the vocabulary EOS, so that rows
+    # finish at different steps and leave the batch (the stepper's `select`).
+    monkeypatch.setattr(rollout, "_eos_ids", lambda model, tokenizer: set(range(0, 49152, 10)))
+    sampled = []  # each pass's completions, with their token ids
+
+    def kept(*args, **keywords):
+        completions = generate_completions(*args, **keywords)
+        sampled.append(completions)
+        return completions
+
+    monkeypatch.setattr(retest, "generate_completions", kept)
+
+    def records():
+        return retest.retest_both(policy, problems, prompts, get_verifier("gsm8k-final-number-v1"),
+                                  config, "candidate", NullReporter(), StopRequest(),
+                                  drift=True)[0]
+
+    everything = records()
+    baseline = [r for r in everything if r["policy"] == "baseline"]
+    candidate = [r for r in everything if r["policy"] == "candidate"]
+    assert len(candidate) == 15 and all(r["kl_to_baseline"] > 0 for r in candidate)
+    assert len({r["completion_tokens"] for r in candidate}) > 1  # rows left the batch
+    forced_baseline, forced_candidate = measure_drift(policy, *sampled, config.temperature)
+    for record, forced in zip(baseline, forced_baseline):
+        assert record["entropy"] == pytest.approx(forced["entropy"], rel=1e-4, abs=1e-6)
+    for record, forced in zip(candidate, forced_candidate):
+        assert record["entropy"] == pytest.approx(forced["entropy"], rel=1e-4, abs=1e-6)
+        assert record["kl_to_baseline"] == pytest.approx(forced["kl_to_baseline"], rel=1e-4,
+                                                         abs=1e-6)
+    # Rank 1 of 2 re-tests prompts 1 and 3 (every other one): the same values, bit for bit.
+    monkeypatch.setattr(retest, "shard", lambda count, world: [1, 3])
+    shard = records()
+    assert [r["kl_to_baseline"] for r in shard if r["policy"] == "candidate"] == [
+        r["kl_to_baseline"] for r in candidate if r["prompt_id"] in ("p1", "p3")]
 
 
 def test_a_run_records_the_guard_and_the_drift(tiny_config, tmp_path, monkeypatch):

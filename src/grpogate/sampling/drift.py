@@ -9,6 +9,11 @@ value carries no per-token sampling noise. For every completion of either policy
 own mean per-token entropy (before / after). `evidence/guard.py` reduces the per-completion
 values to the run's token-weighted means.
 
+The re-test measures these while the policies sample (`DriftStepper`, at the end of this
+module: the sampler's own logits, and a baseline stepper in lockstep for the KL). What follows
+is `measure_drift`, the teacher-forced measurement of given completions that other
+architectures take, and the reference the lockstep one is tested against.
+
 Forward passes only, no gradient, with each policy's LoRA merged (`sampling_weights`): a few
 prompts' completions are forwarded under the candidate, then the baseline, so only their full
 distributions are held at a time; on the lean scorer each policy's weights are merged and
@@ -100,20 +105,28 @@ def _policy_rows(policy: Policy, baseline: bool, pad_id: int, prefix: list[int])
 def _values(own: torch.Tensor, base: torch.Tensor | None, temperature: float) -> dict:
     """A completion's logits [tokens, V] under its policy (and the baseline's, for a candidate
     completion) -> {"entropy"} (and "kl_to_baseline"): means over its tokens of p's entropy and
-    of KL(p || q), p and q the softmax(logits / temperature). On the native kernel where it
-    covers the dtype (two reads of each row, no float32 copy), else in torch."""
+    of KL(p || q), p and q the softmax(logits / temperature)."""
+    entropy, kl = _row_values(own, base, temperature)
+    return {"entropy": _mean(entropy)} if kl is None else {"entropy": _mean(entropy),
+                                                            "kl_to_baseline": _mean(kl)}
+
+
+def _row_values(own: torch.Tensor, base: torch.Tensor | None, temperature: float
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [R, V] under a policy (and the baseline's at the same positions) -> float32 [R]
+    entropies of p and, with `base`, KL(p || q) per row, p and q the softmax(logits /
+    temperature). On the native kernel where it covers the dtype (two reads of each row, no
+    float32 copy), else in torch."""
     kernels = native_kernels(own.dtype, own.device)
-    if base is None:
-        if kernels is not None and own.numel():
-            return {"entropy": _mean(kernels.row_logsumexp(own.contiguous(), temperature,
-                                                           entropy=True)[1])}
-        return {"entropy": _mean(_entropy(_log_softmax(own, temperature)))}
     if kernels is not None and own.numel():
+        if base is None:
+            return kernels.row_logsumexp(own.contiguous(), temperature, entropy=True)[1], None
         kl, entropy = kernels.row_kl(own.contiguous(), base.contiguous(), temperature)
-    else:
-        mine, reference = _log_softmax(own, temperature), _log_softmax(base, temperature)
-        kl, entropy = (mine.exp() * (mine - reference)).sum(-1), _entropy(mine)
-    return {"entropy": _mean(entropy), "kl_to_baseline": _mean(kl)}
+        return entropy, kl
+    mine = _log_softmax(own, temperature)
+    if base is None:
+        return _entropy(mine), None
+    return _entropy(mine), (mine.exp() * (mine - _log_softmax(base, temperature))).sum(-1)
 
 
 def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -174,3 +187,62 @@ def measure_drift(policy: Policy, baseline: list, candidate: list, temperature: 
 
 def _mean(values: torch.Tensor) -> float:
     return float(values.double().mean()) if values.numel() else 0.0
+
+
+class DriftStepper:
+    """A decode stepper that measures the drift on the distributions it samples from.
+
+    It wraps the sampling policy's stepper and, on every next-token logits it hands the sampler
+    (the prefill's, then each step's), computes each row's entropy of softmax(logits /
+    temperature) and, given `baseline` (a second lean stepper on the baseline's weights, fed the
+    same tokens and row drops in lockstep), the exact KL(policy || baseline) at the same
+    position. `measured(row, tokens)` is a completion's mean over its tokens, what
+    `measure_drift` computes with a teacher-forced forward afterwards: here the policy's own
+    forward is the one that sampled, and the baseline's runs as a decode step instead of a
+    second pass over the completions. A row's values depend on that row alone, as its tokens
+    do (world-size invariance; the decode step's products are row-independent at every row
+    count it runs). Rows that finished but ride along in the batch get values past their
+    completion's end, which `measured` never reads."""
+
+    def __init__(self, stepper, temperature: float, baseline=None):
+        self.stepper, self.baseline, self.temperature = stepper, baseline, temperature
+        self.name = stepper.name
+
+    def prefill(self, prompts: list[list[int]], pad_id: int, group_size: int,
+                max_new_tokens: int, shared: int | None = None) -> torch.Tensor:
+        logits = self.stepper.prefill(prompts, pad_id, group_size, max_new_tokens, shared)
+        rows = len(logits)
+        self.slots, self.column = torch.arange(rows), 0  # the batch rows' prefill rows
+        self.entropy = torch.zeros((rows, max_new_tokens))  # [N, T] per generated position
+        self.kl = torch.zeros((rows, max_new_tokens)) if self.baseline is not None else None
+        base = (None if self.baseline is None else
+                self.baseline.prefill(prompts, pad_id, group_size, max_new_tokens, shared))
+        self._record(logits, base)
+        return logits
+
+    def step(self, token_ids: torch.Tensor) -> torch.Tensor:
+        logits = self.stepper.step(token_ids)
+        base = None if self.baseline is None else self.baseline.step(token_ids)
+        self.column += 1
+        self._record(logits, base)
+        return logits
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.stepper.select(keep)
+        if self.baseline is not None:
+            self.baseline.select(keep)
+        self.slots = self.slots[keep.cpu()]
+
+    def _record(self, logits: torch.Tensor, base: torch.Tensor | None) -> None:
+        entropy, kl = _row_values(logits, base, self.temperature)
+        self.entropy[self.slots, self.column] = entropy.float().cpu()
+        if kl is not None:
+            self.kl[self.slots, self.column] = kl.float().cpu()
+
+    def measured(self, row: int, tokens: int) -> dict:
+        """Prefill row `row`'s completion of `tokens` tokens, of the last batch -> {"entropy"}
+        (and "kl_to_baseline"), means over its tokens (0.0 for none)."""
+        values = {"entropy": _mean(self.entropy[row, :tokens])}
+        if self.kl is not None:
+            values["kl_to_baseline"] = _mean(self.kl[row, :tokens])
+        return values

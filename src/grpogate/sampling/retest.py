@@ -18,8 +18,8 @@ from grpogate.seeding import eval_seed
 from grpogate.inputs.policy import Policy, sampling_weights
 from grpogate.inputs.tasks import Problem
 from grpogate.interrupts import StopRequest
-from grpogate.sampling.decoding import shared_prefix_length
-from grpogate.sampling.drift import measure_drift
+from grpogate.sampling.decoding import LeanStepper, make_stepper, shared_prefix_length
+from grpogate.sampling.drift import DriftStepper, measure_drift
 from grpogate.sampling.rollout import (SamplingSettings, generate_completions, sampling_settings,
                                        score_completions, trace_id)
 
@@ -29,13 +29,17 @@ def evaluate_policy(model, tokenizer, problems: list[Problem], prompt_token_ids:
                     settings: SamplingSettings, seed: int, mode=contextlib.nullcontext,
                     advance=None, prompt_indexes: list[int] | None = None,
                     shared_prefix: int | None = None, trace_prefix: str = "eval",
-                    keep: list | None = None) -> list[dict]:
+                    keep: list | None = None, wrap=None) -> list[dict]:
     """Sample `group_size` fresh completions per eval prompt under `mode` and score them;
     `prompt_indexes`: the prompts' indexes in the eval set (their seeds; default 0, 1, ...).
-    `keep`: a list the completions (with their token ids) are also appended to."""
+    `keep`: a list the completions (with their token ids) are also appended to. `wrap`: a
+    function of the decode stepper built under `mode`, returning the one to sample with."""
     with mode():
+        stepper = make_stepper(model)
         completions = generate_completions(model, tokenizer, prompt_token_ids, group_size,
-                                           settings, seed, advance, prompt_indexes=prompt_indexes,
+                                           settings, seed, advance,
+                                           stepper=wrap(stepper) if wrap else stepper,
+                                           prompt_indexes=prompt_indexes,
                                            shared_prefix=shared_prefix)
     if keep is not None:
         keep += completions
@@ -79,6 +83,7 @@ def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]
     if shared_prefix is None:
         shared_prefix = shared_prefix_length(prompts) if prompts else 0
     mine: dict[str, tuple[list[dict], list]] = {}
+    lockstep = _LockstepDrift(config.temperature) if drift else None
     for name, version, mode in (
             ("baseline", policy.baseline_version, lambda: sampling_weights(policy, baseline=True)),
             ("candidate", candidate_version, lambda: sampling_weights(policy))):
@@ -93,12 +98,15 @@ def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]
                 settings=sampling_settings(config), seed=eval_seed(config.seed),
                 mode=mode, advance=advance, prompt_indexes=positions,
                 shared_prefix=shared_prefix, trace_prefix="eval" if label == "re-test" else label,
-                keep=completions)
+                keep=completions, wrap=lockstep and getattr(lockstep, name))
             advance(len(prompts) * group_size - len(records))
         mine[name] = (records, completions)
-    if drift:
+    if lockstep is not None and lockstep.measured:
+        values = tuple([c.measured for c in completions] for _, completions in mine.values())
+    elif drift:
         values = measure_drift(policy, mine["baseline"][1], mine["candidate"][1],
                                config.temperature, shared_prefix)
+    if drift:
         for (records, _), measured in zip(mine.values(), values):
             for record, extra in zip(records, measured):
                 record.update(extra)
@@ -106,6 +114,31 @@ def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]
                 for r in _gathered(world, mine[name][0], positions, group_size)]
     errors = world.all_gather_object(verifier.error_count - errors_before)
     return gathered, sum(errors)
+
+
+class _LockstepDrift:
+    """The re-test's drift measured while both policies sample (drift.DriftStepper): the
+    baseline's entropies on its own distributions, then the candidate's, with a stepper on the
+    baseline's weights in lockstep for the KL. The baseline pass's lean decoder (its merged,
+    packed weights) serves both. Where the decode stepper is not the lean one (another
+    architecture), nothing is measured here and `measure_drift` runs afterwards."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.measured = temperature, False
+        self.baseline_weights = None  # (LeanDecoder, native kernels) of the baseline pass
+
+    def baseline(self, stepper):
+        if not isinstance(stepper, LeanStepper):
+            return stepper
+        self.baseline_weights = stepper.decoder, stepper.kernels
+        return DriftStepper(stepper, self.temperature)
+
+    def candidate(self, stepper):
+        if self.baseline_weights is None or not isinstance(stepper, LeanStepper):
+            return stepper
+        self.measured = True
+        return DriftStepper(stepper, self.temperature,
+                            baseline=LeanStepper(*self.baseline_weights))
 
 
 def _gathered(world: World, mine: list[dict], positions: list[int], group_size: int) -> list[dict]:

@@ -55,6 +55,8 @@ class Completion:
     # The log-prob of each drawn token under the distribution it was drawn from: truncated
     # (top_k / top_p / min_p) and renormalized when the settings truncate, else the full one.
     sampler_logprobs: list[float] = field(default_factory=list)
+    # What a measuring stepper (drift.DriftStepper) measured on this completion's positions.
+    measured: dict = field(default_factory=dict)
 
 
 def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str,
@@ -277,7 +279,8 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
     prompt, seed, index) gives the same completions whatever batch or rank the prompt lands in,
     and the baseline and the candidate see the same seeds in the re-test. The model is used as
     it is: callers choose the weights (see `policy.sampling_weights`). `stepper` is the decode
-    forward (default: `make_stepper(model)`, built from the weights as they are now).
+    forward (default: `make_stepper(model)`, built from the weights as they are now); one with a
+    `measured(row, tokens)` method fills each completion's `measured`.
     `shared_prefix`: the prefix the decoder computes once per batch, fixed over the caller's
     whole prompt set (`decoding.shared_prefix_length`) so batching never changes numerics.
     """
@@ -286,6 +289,7 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
     indexes = list(range(len(prompt_token_ids))) if prompt_indexes is None else prompt_indexes
     generators = [torch.Generator().manual_seed(prompt_seed(seed, index)) for index in indexes]
     stepper = stepper or make_stepper(model)
+    measured = getattr(stepper, "measured", None)  # a stepper that measures as it samples
     prompts_per_batch = max(1, settings.batch_size // group_size)
     completions: list[Completion] = []
     was_training = model.training
@@ -305,7 +309,8 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
                     prompt_token_ids=prompt_token_ids[prompt_index],
                     completion_token_ids=completion,
                     text=tokenizer.decode(completion, skip_special_tokens=True),
-                    hit_max_length=not stopped, sampler_logprobs=token_logprobs[:len(completion)]))
+                    hit_max_length=not stopped, sampler_logprobs=token_logprobs[:len(completion)],
+                    measured=measured(offset, len(completion)) if measured else {}))
     finally:
         model.train(was_training)
     return completions
