@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from grpogate.sampling.layers import (MASKED, WIDTH_BUCKET, chunks_by_shape, decoder_layers,
-                                     decoder_logits, forward_rows, round_up, tiled_linear)
+                                     decoder_logits, forward_rows, prefix_forward, round_up,
+                                     tiled_linear)
 from grpogate.sampling.lean_weights import LeanDecoder, lean_decoder, linear
 from grpogate.sampling.native import NativeKernels, native_kernels
 
@@ -190,7 +191,7 @@ class LeanStepper:
         prefix = None
         self.prompt_mask = torch.full((len(prompts), span), MASKED, device=device)
         if shared:  # keys [1, Hkv, d, head], values [1, Hkv, head, d], mask [1, head]
-            prefix = forward_rows(dec, [prompts[0][:shared]], [0], None, keep=True)[1]
+            prefix = prefix_forward(dec, prompts[0][:shared])
             for index in range(len(dec.layers)):
                 self.prompt_keys[index][..., :head] = prefix[0][index]
                 self.prompt_values[index][:, :, :head] = prefix[1][index]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from grpogate.sampling.layers import (MASKED, PROMPTS_PER_FORWARD, WIDTH_BUCKET,
-                                     chunks_by_shape, decoder_logits, forward_rows,
-                                     forward_tokens, round_up, tiled_linear)
+                                     chunks_by_shape, decoder_logits, forward_tokens,
+                                     prefix_forward, round_up, tiled_linear)
 from grpogate.sampling.lean_weights import LeanDecoder
 
 
@@ -39,7 +39,7 @@ class LeanScorer:
         self.decoder, self.prefix = decoder, len(prefix)
         self.cache = None
         if prefix:
-            self.cache = forward_rows(decoder, [prefix], [0], None, keep=True)[1]
+            self.cache = prefix_forward(decoder, prefix)
 
     @torch.no_grad()
     def score(self, groups: list[tuple[list[int], list[list[int]]]], pad_id: int
