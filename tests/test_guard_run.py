@@ -20,6 +20,7 @@ from grpogate.interrupts import StopRequest
 from grpogate.inputs.tasks import Problem
 from grpogate.pipeline import NullReporter
 from grpogate.sampling import retest, rollout
+from grpogate.sampling.decoding import ModelStepper
 from grpogate.sampling.rollout import Completion, encode_prompts, generate_completions
 from grpogate.verifiers import get_verifier
 from grpogate.training import loop as training
@@ -71,15 +72,19 @@ def test_measure_drift_equals_one_forward_per_sequence(tiny_config, tmp_path, mo
     assert measure_drift(policy, shard, shard, 0.7) == (baseline[1::2], candidate[1::2])
 
 
-@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("path", ["native", "torch", "model"])
 def test_the_drift_measured_while_sampling_equals_the_teacher_forced_one(
         tiny_config, tmp_path, monkeypatch, path):
     """The re-test measures the drift in lockstep with sampling (a baseline stepper fed the
     candidate's tokens); on the same completions, `measure_drift`'s teacher-forced forwards
     give the same values (float32: only summation order differs), and a torchrun shard of
-    the prompts records the same numbers bit for bit."""
+    the prompts records the same numbers bit for bit. `model`: a decode stepper that is not
+    the lean one (another architecture) leaves the drift to `measure_drift` afterwards."""
     if path == "torch":
         monkeypatch.setenv("GRPOGATE_NATIVE", "0")
+    if path == "model":
+        monkeypatch.setattr(retest, "make_stepper", ModelStepper)
+        monkeypatch.setattr(retest, "DriftStepper", None)  # never built on this path
     config = tiny_config(tmp_path, max_new_tokens=12, eval_group_size=3)
     policy = load_policy(config, seed=0)
     perturb_lora_b(policy.model)
