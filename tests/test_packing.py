@@ -60,6 +60,16 @@ def test_pack_row_layout_by_hand():
     predicted = packed.logit_positions[packed.logit_index].tolist()
     assert list(zip(packed.rows.tolist(), packed.columns.tolist(), predicted)) == [
         (0, 0, 2), (0, 1, 3), (1, 0, 2), (2, 0, 5), (2, 1, 6), (2, 2, 7), (3, 0, 5)]
+    # Segments: the prefix [0, 2) sees itself; group 0 at [2, 4) and group 1 at [4, 8) see the
+    # prefix and their own span; the padding [8, 16) sees itself.
+    assert [(a, b, keys.tolist()) for a, b, keys in packed.segments] == [
+        (0, 2, [0, 1]), (2, 4, [0, 1, 2, 3]), (4, 8, [0, 1, 4, 5, 6, 7]),
+        (8, 16, list(range(8, 16)))]
+    # Every pair the mask allows lies inside its query's segment.
+    inside = torch.zeros_like(allowed)
+    for a, b, keys in packed.segments:
+        inside[a:b, keys] = True
+    assert not (allowed & ~inside).any()
 
 
 def test_common_prefix_leaves_every_prompt_a_token():

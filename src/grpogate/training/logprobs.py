@@ -219,6 +219,9 @@ class PackedRow:
     completion_ids: torch.Tensor  # [N, T] right-padded
     completion_mask: torch.Tensor  # [N, T] float, 1 on real tokens
     real_tokens: int  # positions of L that are not padding
+    # (query start, query end, key positions [K]) per block of positions that attend alike:
+    # the prefix (its own keys), each group (the prefix's and its own), the padding (its own).
+    segments: tuple = ()
 
     def forwarded_tokens(self) -> tuple[int, int]:
         """(positions the forward computes, padding included; the real ones among them)."""
@@ -236,8 +239,9 @@ def pack_row(prompts: list[list[int]], completions: list[list[int]], per_prompt:
     shared = common_prefix_length(prompts)
     ids, positions = list(prompts[0][:shared]), list(range(shared))
     group, branch = [-1] * shared, [-1] * shared  # -1: shared by all groups / all branches
-    predicted_at, rows, columns = [], [], []
+    predicted_at, rows, columns, spans = [], [], [], []
     for g, prompt in enumerate(prompts):
+        spans.append(len(ids))
         ids += prompt[shared:]
         positions += range(shared, len(prompt))
         group += [g] * (len(prompt) - shared)
@@ -256,6 +260,7 @@ def pack_row(prompts: list[list[int]], completions: list[list[int]], per_prompt:
             rows += [r] * len(completion)
             columns += range(len(completion))
     real = len(ids)
+    spans.append(real)
     padding = round_up(real, WIDTH_BUCKET) - real
     ids += [pad_id] * padding
     positions += [0] * padding
@@ -277,7 +282,20 @@ def pack_row(prompts: list[list[int]], completions: list[list[int]], per_prompt:
                                  device=device),
         rows=torch.tensor(rows, dtype=torch.long, device=device),
         columns=torch.tensor(columns, dtype=torch.long, device=device),
-        completion_ids=completion_ids, completion_mask=completion_mask, real_tokens=real)
+        completion_ids=completion_ids, completion_mask=completion_mask, real_tokens=real,
+        segments=_segments(shared, spans, len(ids), device))
+
+
+def _segments(shared: int, starts: list[int], length: int, device) -> tuple:
+    """`PackedRow.segments`: `starts` holds each group's first position, then the padding's."""
+    def positions(*ranges):
+        return torch.cat([torch.arange(a, b) for a, b in ranges]).to(device)
+
+    blocks = [(0, shared, positions((0, shared)))] if shared else []
+    blocks += [(a, b, positions((0, shared), (a, b))) for a, b in zip(starts, starts[1:])]
+    if starts[-1] < length:
+        blocks.append((starts[-1], length, positions((starts[-1], length))))
+    return tuple(blocks)
 
 
 def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 64,
@@ -291,7 +309,7 @@ def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 6
     dtype = next(model.parameters()).dtype
     mask = torch.zeros(packed.allowed.shape, dtype=dtype, device=packed.allowed.device)
     mask = mask.masked_fill(~packed.allowed, torch.finfo(dtype).min)[None, None]  # [1, 1, L, L]
-    with tree_attention(model):  # bfloat16 on a CPU: a faster attention backward
+    with tree_attention(model, packed.segments):  # bfloat16 on a CPU: faster attention
         logits = model(input_ids=packed.input_ids, attention_mask=mask,
                        position_ids=packed.position_ids, use_cache=False,
                        logits_to_keep=packed.logit_positions).logits  # [1, U, V]

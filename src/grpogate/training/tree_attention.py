@@ -22,16 +22,27 @@ under a 4D additive mask. Anywhere else (float32, where the flash backward measu
 than these products; the reference forward, under no_grad; another device) the call goes to
 transformers' SDPA attention unchanged. `tree_attention(model)` selects it for the forwards
 inside its block when the model runs SDPA.
+
+Given the packed row's segments (`tree_attention(model, segments)`), bfloat16 forwards on a CPU,
+the reference forward under no_grad included, take `SegmentedTreeAttention` instead: the same
+mathematics on the blocks of the row that can attend at all (a group's queries against the
+prefix's and the group's own keys), about a third of the dense row's score entries at the
+default.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 
 import torch
 
 NAME = "grpogate_tree_sdpa"
+# The packed row's segments (`logprobs.PackedRow.segments`) while `tree_attention` runs a
+# forward of it: ((query start, query end, key positions [K] int64), ...).
+_SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("grpogate_tree_segments",
+                                                           default=None)
 
 
 class TreeAttention(torch.autograd.Function):
@@ -66,6 +77,76 @@ class TreeAttention(torch.autograd.Function):
         return d_query.view(shape), d_key.view(shape), d_value.view(shape), None, None
 
 
+def _flash(query, key, value, mask, scale: float) -> torch.Tensor:
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, False, attn_mask=mask, scale=scale)[0]
+
+
+class SegmentedTreeAttention(torch.autograd.Function):
+    """`TreeAttention` on the blocks of the row that can attend at all: each segment's queries
+    (the shared prefix; one group's prompt suffix and completions; the padding) against the keys
+    its queries may see (the prefix and the group's own span), each segment's scores
+    S = scale · Q_s K_sᵀ + mask_s alone. A group's queries never see another group's keys, so the
+    dense row's L × L products computed mostly masked entries: at the default's update (a 62-token
+    prefix, 3-5 groups of about 200 positions) the segments hold about a third of them.
+    query, key, value [1, H, L, d], mask [1, 1, L, L], segments as `_SEGMENTS` -> [1, H, L, d].
+
+    Forward: SDPA's flash kernel per segment (the same mathematics; the online softmax sums
+    another split of the keys, so values move by rounding). Backward: `TreeAttention`'s products
+    per segment, the keys' and values' gradients accumulated in float32 (or wider) over the
+    segments that read them (the prefix's, by every group's) and rounded once."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, scale: float, segments):
+        out = torch.empty_like(query)
+        for start, end, keys in segments:
+            out[:, :, start:end] = _flash(
+                query[:, :, start:end], key.index_select(2, keys), value.index_select(2, keys),
+                mask[:, :, start:end].index_select(3, keys), scale)
+        ctx.save_for_backward(query, key, value, mask)
+        ctx.scale, ctx.segments = scale, segments
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, mask = ctx.saved_tensors
+        scale = ctx.scale
+        q_all, k_all, v_all, d_all = (t[0] for t in (query, key, value, grad_out))  # [H, L, d]
+        d_query = torch.empty_like(q_all)
+        wide = torch.promote_types(key.dtype, torch.float32)  # the gradients' accumulator
+        d_key, d_value = (torch.zeros(t.shape, dtype=wide) for t in (k_all, v_all))
+        for start, end, keys in ctx.segments:
+            q, d_out = q_all[:, start:end], d_all[:, start:end].contiguous()  # [H, n, d]
+            k, v = k_all.index_select(1, keys), v_all.index_select(1, keys)  # [H, m, d]
+            scores = torch.baddbmm(mask[0, :, start:end].index_select(2, keys), q,
+                                   k.transpose(1, 2), alpha=scale)  # [H, n, m]
+            probs = torch.softmax(scores, dim=-1)
+            del scores
+            d_value.index_add_(1, keys, torch.bmm(probs.transpose(1, 2), d_out).to(wide))
+            d_scores = torch._softmax_backward_data(torch.bmm(d_out, v.transpose(1, 2)), probs,
+                                                    -1, probs.dtype)
+            del probs
+            d_query[:, start:end] = torch.bmm(d_scores, k).mul_(scale)
+            d_key.index_add_(1, keys, torch.bmm(d_scores.transpose(1, 2), q).to(wide).mul_(scale))
+        return (d_query[None], d_key.to(key.dtype)[None], d_value.to(value.dtype)[None], None,
+                None, None)
+
+
+def segments_apply(query: torch.Tensor, key: torch.Tensor, mask, dropout: float, kwargs,
+                   segments) -> bool:
+    """Whether `SegmentedTreeAttention` runs this call: bfloat16 on a CPU, one row under its
+    4D mask, and segments that cover the row (the forwards of `tree_attention(model,
+    segments)`, the reference forward under no_grad included)."""
+    length = query.shape[2]
+    return (segments is not None and query.device.type == "cpu"
+            and query.dtype == torch.bfloat16 and query.shape[0] == 1
+            and key.shape[2] == length and dropout == 0.0
+            and isinstance(mask, torch.Tensor) and mask.dtype == query.dtype
+            and mask.shape == (1, 1, length, length)
+            and sum(end - start for start, end, _ in segments) == length
+            and kwargs.get("softcap") is None and kwargs.get("position_bias") is None)
+
+
 def applies(query: torch.Tensor, key: torch.Tensor, mask, dropout: float, kwargs) -> bool:
     """Whether `TreeAttention` runs this call (see the module's docstring)."""
     return (torch.is_grad_enabled() and query.requires_grad and query.device.type == "cpu"
@@ -81,13 +162,18 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout: floa
     """A transformers attention function: `TreeAttention` where it applies, else SDPA's."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-    if not applies(query, key, attention_mask, dropout, kwargs):
+    segments = _SEGMENTS.get()
+    segmented = segments_apply(query, key, attention_mask, dropout, kwargs, segments)
+    if not segmented and not applies(query, key, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = TreeAttention.apply(query, key, value, attention_mask.contiguous(), scale)
+    if segmented:
+        out = SegmentedTreeAttention.apply(query, key, value, attention_mask, scale, segments)
+    else:
+        out = TreeAttention.apply(query, key, value, attention_mask.contiguous(), scale)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -102,15 +188,19 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def tree_attention(model):
-    """Inside this block, `model` (running SDPA) attends through `tree_sdpa_attention`."""
+def tree_attention(model, segments=None):
+    """Inside this block, `model` (running SDPA) attends through `tree_sdpa_attention`;
+    `segments` (a packed row's, `logprobs.PackedRow.segments`) let it skip the blocks of the
+    row that are masked whole."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         yield
         return
     _register()
     config._attn_implementation = NAME
+    token = _SEGMENTS.set(segments)
     try:
         yield
     finally:
+        _SEGMENTS.reset(token)
         config._attn_implementation = "sdpa"
