@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from grpogate.training.logprobs import pack_row
 from grpogate.training.tree_attention import (
     NAME,
+    SEGMENTED_SHARE,
     SegmentedTreeAttention,
     TreeAttention,
     applies,
@@ -170,6 +171,13 @@ def test_segments_apply_only_where_they_cover_the_row():
     assert not segments_apply(q, q, mask, 0.0, {}, segments[:-1])  # not the whole row
     assert not segments_apply(q.float(), q.float(), mask.float(), 0.0, {}, segments)
     assert not segments_apply(q, q, mask, 0.1, {}, segments)
+    # One group: its segment holds most of the row's scores, where the dense row is faster.
+    one = pack_row([[1, 2, 3, 4, 5, 9]], [list(range(100, 130))] * 2, 2, 0, torch.device("cpu"))
+    share = sum((b - a) * len(keys) for a, b, keys in one.segments) / one.allowed.numel()
+    assert share > SEGMENTED_SHARE
+    single = torch.randn(1, 2, one.allowed.shape[0], 8, dtype=torch.bfloat16)
+    assert not segments_apply(single, single, _additive(one.allowed, torch.bfloat16), 0.0, {},
+                              one.segments)
 
 
 class _Layer(torch.nn.Module):
