@@ -51,8 +51,7 @@ class TreeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask, scale: float):
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, False, attn_mask=mask, scale=scale)
+        out = _flash(query, key, value, mask, scale)
         ctx.save_for_backward(query, key, value, mask)
         ctx.scale = scale
         return out
@@ -63,23 +62,30 @@ class TreeAttention(torch.autograd.Function):
         batch, heads, length, dim = query.shape
         q, k, v, d_out = (t.reshape(batch * heads, length, dim)
                           for t in (query, key, value, grad_out.contiguous()))
-        scores = torch.baddbmm(mask.reshape(-1, length, length), q, k.transpose(1, 2),
-                               alpha=ctx.scale)  # [H, L, L]
-        probs = torch.softmax(scores, dim=-1)
-        del scores
-        d_value = torch.bmm(probs.transpose(1, 2), d_out)
-        d_scores = torch._softmax_backward_data(torch.bmm(d_out, v.transpose(1, 2)), probs, -1,
-                                                probs.dtype)
-        del probs
-        d_query = torch.bmm(d_scores, k).mul_(ctx.scale)
-        d_key = torch.bmm(d_scores.transpose(1, 2), q).mul_(ctx.scale)
+        d_query, d_key, d_value = _backward_products(q, k, v, d_out,
+                                                     mask.reshape(-1, length, length), ctx.scale)
         shape = (batch, heads, length, dim)
-        return d_query.view(shape), d_key.view(shape), d_value.view(shape), None, None
+        return (d_query.view(shape), d_key.mul_(ctx.scale).view(shape), d_value.view(shape),
+                None, None)
 
 
 def _flash(query, key, value, mask, scale: float) -> torch.Tensor:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, False, attn_mask=mask, scale=scale)[0]
+
+
+def _backward_products(q, k, v, d_out, mask, scale: float):
+    """q, d_out [B, n, d], k, v [B, m, d], additive mask broadcastable to [B, n, m] -> (dQ,
+    dSᵀ Q (dK before its scale), dV): the backward's five products around the recomputed
+    softmax, in the inputs' dtype (the module's docstring has the formulas)."""
+    scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)  # [B, n, m]
+    probs = torch.softmax(scores, dim=-1)
+    del scores
+    d_value = torch.bmm(probs.transpose(1, 2), d_out)
+    d_scores = torch._softmax_backward_data(torch.bmm(d_out, v.transpose(1, 2)), probs, -1,
+                                            probs.dtype)
+    del probs
+    return torch.bmm(d_scores, k).mul_(scale), torch.bmm(d_scores.transpose(1, 2), q), d_value
 
 
 class SegmentedTreeAttention(torch.autograd.Function):
@@ -116,18 +122,13 @@ class SegmentedTreeAttention(torch.autograd.Function):
         wide = torch.promote_types(key.dtype, torch.float32)  # the gradients' accumulator
         d_key, d_value = (torch.zeros(t.shape, dtype=wide) for t in (k_all, v_all))
         for start, end, keys in ctx.segments:
-            q, d_out = q_all[:, start:end], d_all[:, start:end].contiguous()  # [H, n, d]
-            k, v = k_all.index_select(1, keys), v_all.index_select(1, keys)  # [H, m, d]
-            scores = torch.baddbmm(mask[0, :, start:end].index_select(2, keys), q,
-                                   k.transpose(1, 2), alpha=scale)  # [H, n, m]
-            probs = torch.softmax(scores, dim=-1)
-            del scores
-            d_value.index_add_(1, keys, torch.bmm(probs.transpose(1, 2), d_out).to(wide))
-            d_scores = torch._softmax_backward_data(torch.bmm(d_out, v.transpose(1, 2)), probs,
-                                                    -1, probs.dtype)
-            del probs
-            d_query[:, start:end] = torch.bmm(d_scores, k).mul_(scale)
-            d_key.index_add_(1, keys, torch.bmm(d_scores.transpose(1, 2), q).to(wide).mul_(scale))
+            segment_query, segment_key, segment_value = _backward_products(
+                q_all[:, start:end], k_all.index_select(1, keys), v_all.index_select(1, keys),
+                d_all[:, start:end].contiguous(), mask[0, :, start:end].index_select(2, keys),
+                scale)  # [H, n, d], [H, m, d], [H, m, d]
+            d_query[:, start:end] = segment_query
+            d_value.index_add_(1, keys, segment_value.to(wide))
+            d_key.index_add_(1, keys, segment_key.to(wide).mul_(scale))
         return (d_query[None], d_key.to(key.dtype)[None], d_value.to(value.dtype)[None], None,
                 None, None)
 
@@ -138,32 +139,33 @@ class SegmentedTreeAttention(torch.autograd.Function):
 SEGMENTED_SHARE = 0.5
 
 
+def _one_bfloat16_row(query: torch.Tensor, key: torch.Tensor, mask, dropout: float,
+                      kwargs) -> bool:
+    """What both attentions here need: bfloat16 on a CPU, one row of L positions attending to
+    itself under its [1, 1, L, L] additive mask, no dropout, softcap or position bias."""
+    return (query.device.type == "cpu" and query.dtype == torch.bfloat16
+            and query.shape[0] == 1 and query.shape[2] == key.shape[2] and dropout == 0.0
+            and isinstance(mask, torch.Tensor) and mask.dtype == query.dtype
+            and mask.shape == (1, 1, query.shape[2], key.shape[2])
+            and kwargs.get("softcap") is None and kwargs.get("position_bias") is None)
+
+
 def segments_apply(query: torch.Tensor, key: torch.Tensor, mask, dropout: float, kwargs,
                    segments) -> bool:
-    """Whether `SegmentedTreeAttention` runs this call: bfloat16 on a CPU, one row under its
-    4D mask, and segments that cover the row (the forwards of `tree_attention(model,
-    segments)`, the reference forward under no_grad included) and hold at most
-    SEGMENTED_SHARE of its scores."""
+    """Whether `SegmentedTreeAttention` runs this call: one bfloat16 row on a CPU, and segments
+    that cover the row (the forwards of `tree_attention(model, segments)`, the reference
+    forward under no_grad included) and hold at most SEGMENTED_SHARE of its scores."""
     length = query.shape[2]
-    return (segments is not None and query.device.type == "cpu"
-            and query.dtype == torch.bfloat16 and query.shape[0] == 1
-            and key.shape[2] == length and dropout == 0.0
-            and isinstance(mask, torch.Tensor) and mask.dtype == query.dtype
-            and mask.shape == (1, 1, length, length)
+    return (segments is not None and _one_bfloat16_row(query, key, mask, dropout, kwargs)
             and sum(end - start for start, end, _ in segments) == length
             and sum((end - start) * len(keys) for start, end, keys in segments)
-            <= SEGMENTED_SHARE * length * length
-            and kwargs.get("softcap") is None and kwargs.get("position_bias") is None)
+            <= SEGMENTED_SHARE * length * length)
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, mask, dropout: float, kwargs) -> bool:
     """Whether `TreeAttention` runs this call (see the module's docstring)."""
-    return (torch.is_grad_enabled() and query.requires_grad and query.device.type == "cpu"
-            and query.dtype == torch.bfloat16 and query.shape[0] == 1
-            and query.shape[2] == key.shape[2] and dropout == 0.0
-            and isinstance(mask, torch.Tensor) and mask.dtype == query.dtype
-            and mask.shape == (1, 1, query.shape[2], key.shape[2])
-            and kwargs.get("softcap") is None and kwargs.get("position_bias") is None)
+    return (torch.is_grad_enabled() and query.requires_grad
+            and _one_bfloat16_row(query, key, mask, dropout, kwargs))
 
 
 def tree_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
