@@ -101,12 +101,11 @@ def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]
                 keep=completions, wrap=lockstep and getattr(lockstep, name))
             advance(len(prompts) * group_size - len(records))
         mine[name] = (records, completions)
-    if lockstep is not None and lockstep.measured:
-        values = tuple([c.measured for c in completions] for _, completions in mine.values())
-    elif drift:
-        values = measure_drift(policy, mine["baseline"][1], mine["candidate"][1],
-                               config.temperature, shared_prefix)
     if drift:
+        values = (tuple([c.measured for c in completions] for _, completions in mine.values())
+                  if lockstep.measured else
+                  measure_drift(policy, mine["baseline"][1], mine["candidate"][1],
+                                config.temperature, shared_prefix))
         for (records, _), measured in zip(mine.values(), values):
             for record, extra in zip(records, measured):
                 record.update(extra)
