@@ -161,15 +161,17 @@ def flops(counts: list[int], shape, passes: int) -> float:
 
 
 def ideal_seconds(linear_shapes, micro_batches: list[tuple[int, int]], passes: int,
-                  rounds: int = 3) -> dict:
-    """The useful work's matrix products alone, per fast dtype: per micro-batch, every linear
-    map on its positions (the LM head on its logits), as x W^T (forwards) and g W (input
-    gradient), `passes` - 1 forwards and one input gradient. Best round counts."""
+                  rounds: int = 3, dtypes: list | None = None) -> dict:
+    """The useful work's matrix products alone, per fast dtype (or per one of `dtypes`): per
+    micro-batch, every linear map on its positions (the LM head on its logits), as x W^T
+    (forwards) and g W (input gradient), `passes` - 1 forwards and one input gradient. Best
+    round counts."""
     import torch
 
     from grpogate.sampling.lean_weights import bf16_kernels_available, linear
 
-    dtypes = [torch.float32] + ([torch.bfloat16] if bf16_kernels_available() else [])
+    if dtypes is None:
+        dtypes = [torch.float32] + ([torch.bfloat16] if bf16_kernels_available() else [])
     generator = torch.Generator().manual_seed(0)
     measured = {}
     for dtype, packed in [(d, p) for d in dtypes for p in (False, True)]:

@@ -341,6 +341,43 @@ def test_update_bound_runs_on_a_recorded_tiny_run(tiny_model_dir, tmp_path):
     assert f"update_useful_peak_fraction (packed): {report['update_useful_peak_fraction']:.3f}" in finished.stdout
 
 
+class _HandProducts:
+    """A layers' row costs 1 s, an LM head row 100 s: every count below is readable."""
+
+    def seconds(self, part, rows):
+        return rows * (1 if part == "layers" else 100)
+
+    def step(self, rows, head_rows=None):
+        return self.seconds("layers", rows) + self.seconds("head", rows if head_rows is None else head_rows)
+
+
+def test_workload_bound_counts_prefill_and_the_rows_each_decode_step_still_runs():
+    import workload_bound
+
+    prompts, shared = [[1, 2, 3, 4], [1, 2, 3, 5, 6]], 3  # own tokens: 1 and 2
+    lengths = [[3, 1], [2, 2]]  # G = 2 completion lengths per prompt
+    # One batch of both prompts (4 rows): prefill = prefix 3 + own 1 + 2 = 3 layer rows,
+    # head on 2 prompts: 3 + 3 + 200 = 206; decode position 1: lengths > 1 are 3, 2, 2 ->
+    # 3 rows: 3 + 300 = 303; position 2: only the 3 -> 1 row: 101. 206 + 303 + 101 = 610.
+    assert workload_bound.generation_seconds(_HandProducts(), prompts, lengths, 2, 4, shared) == 610
+    # Batches of one prompt (2 rows): 3 + 1 + 100 = 104, then [3, 1]: 101 and 101 -> 306;
+    # 3 + 2 + 100 = 105, then [2, 2]: 2 rows at position 1 -> 202 -> 307. 306 + 307 = 613.
+    assert workload_bound.generation_seconds(_HandProducts(), prompts, lengths, 2, 2, shared) == 613
+
+
+def test_workload_bound_interpolates_between_the_timed_row_counts():
+    import workload_bound
+
+    products = object.__new__(workload_bound.Products)  # timings given, nothing timed here
+    products.timed = {(part, g): 2 * g + 1 for part in ("layers", "head") for g in workload_bound.GRID}
+    assert products.seconds("layers", 16) == 33  # on the grid: 2 x 16 + 1
+    assert products.seconds("layers", 12) == 25  # halfway between 8 (17) and 16 (33)
+    assert products.seconds("layers", 3) == 7  # halfway between 2 (5) and 4 (9)
+    assert products.seconds("head", 512) == 513 * 2  # beyond 256 rows: 256's per-row cost
+    assert products.seconds("layers", 0) == 0
+    assert products.step(12, head_rows=3) == 25 + 7
+
+
 def test_update_share_is_update_seconds_over_step_seconds():
     result = _result([10.0, 30.0], 100.0, 1.0, 1.0, valid_groups=2)
     result["steps"][0]["update_seconds"], result["steps"][1]["update_seconds"] = 6.0, 14.0
