@@ -301,11 +301,3 @@ def test_other_architectures_and_hooked_models_use_the_model_forward():
     assert lean_decoder(model) is None
     handle.remove()
     assert lean_decoder(model) is not None
-
-
-def test_decode_rows_are_exact_from_the_floor_to_64_then_rounded_to_8():
-    from grpogate.sampling.decoding import decode_rows
-
-    assert [decode_rows(n) for n in (0, 3, 8)] == [8, 8, 8]  # never under the 8-row floor
-    assert [decode_rows(n) for n in (17, 23, 64)] == [17, 23, 64]  # exact
-    assert [decode_rows(n) for n in (65, 200, 201)] == [72, 200, 208]  # 65 -> 72: a multiple of 8

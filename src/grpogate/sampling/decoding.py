@@ -47,19 +47,6 @@ from grpogate.sampling.native import NativeKernels, native_kernels
 # Batch rows are rounded up to this multiple (prompt widths to layers.WIDTH_BUCKET) so that
 # oneDNN, which builds a kernel for every new matrix shape, sees a handful of shapes in a run.
 ROW_BUCKET = 8
-# A decode batch never runs under ROW_FLOOR rows (below 8 the CPU matmul takes another kernel,
-# whose sums round differently), and up to EXACT_ROWS running rows it runs exactly those: a
-# step's products at 17 rows cost about 0.8 of those at 24, so the tail of a rollout, where
-# most steps run, pays for no finished row; above EXACT_ROWS, ROW_BUCKET keeps the shapes few.
-ROW_FLOOR = 8
-EXACT_ROWS = 64
-
-
-def decode_rows(running: int) -> int:
-    """The rows a decode step runs when `running` rows are still sampling."""
-    if running <= EXACT_ROWS:
-        return max(running, ROW_FLOOR)
-    return round_up(running, ROW_BUCKET)
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpogate.sampling.decoding import ROW_FLOOR, decode_rows, make_stepper
+from grpogate.sampling.decoding import ROW_BUCKET, make_stepper, round_up
 from grpogate.sampling.native import native_kernels
 from grpogate.config import RunConfig
 from grpogate.errors import InputError
@@ -222,11 +222,11 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
     advance = advance or (lambda count: None)
     generators = generator if isinstance(generator, list) else [generator] * len(prompts)
     total, reported = len(prompts) * group_size, 0
-    # A batch under ROW_FLOOR rows rides with copies of its last prompt (never live, their own
+    # A batch under ROW_BUCKET rows rides with copies of its last prompt (never live, their own
     # generator): below 8 rows the CPU matmul takes another kernel whose sums round
     # differently (measured: 1 ulp of a log-prob), so a prompt alone on a rank would not
     # reproduce the log-probs it gets in one process's larger batch.
-    fillers = -(-max(ROW_FLOOR - total, 0) // group_size)
+    fillers = -(-max(ROW_BUCKET - total, 0) // group_size)
     prompts = prompts + [prompts[-1]] * fillers
     generators = generators + [torch.Generator().manual_seed(0)] * fillers
     logits = stepper.prefill(prompts, pad_id, group_size, settings.max_new_tokens, shared)
@@ -254,9 +254,9 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
             reported = finished
         if step == settings.max_new_tokens - 1 or reported == total:
             break
-        # Drop finished rows down to `decode_rows` (finished rows that ride along to keep the
-        # shapes few or the floor held have their samples ignored).
-        target = min(len(live), decode_rows(alive_count))
+        # Drop finished rows, keeping the row count a multiple of ROW_BUCKET (a few finished
+        # rows ride along, their samples ignored) so the decode matmuls keep known shapes.
+        target = min(len(live), round_up(alive_count, ROW_BUCKET))
         if target < len(live):
             keep = torch.cat([torch.nonzero(live).flatten(), torch.nonzero(~live).flatten()])[:target]
             keep = keep.sort().values
