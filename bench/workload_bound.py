@@ -30,6 +30,7 @@ is used (the kernels are saturated there).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -131,6 +132,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True, help="a finished run's directory")
+    parser.add_argument("--model", default="",
+                        help="load this model instead of the run's (same shapes; a test uses a tiny one)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--json", default="", help="also write the result here")
     args = parser.parse_args()
@@ -138,6 +141,8 @@ def main() -> None:
     run = Path(args.run_dir)
     evidence = json.loads((run / "evidence.json").read_text())
     config = resume_config(evidence["config"], str(run / "evidence.json"))
+    if args.model:
+        config = dataclasses.replace(config, model=args.model)
     policy = load_policy(config, seed=config.seed)
     dtype = next(policy.model.parameters()).dtype
     problems_path = run / "problems.jsonl"

@@ -378,6 +378,32 @@ def test_workload_bound_interpolates_between_the_timed_row_counts():
     assert products.step(12, head_rows=3) == 25 + 7
 
 
+def test_workload_bound_runs_on_a_recorded_tiny_run(tiny_model_dir, tmp_path):
+    from synthetic_run import write_synthetic_run
+
+    run_dir = write_synthetic_run(tmp_path, guard_rewards={"baseline": [[1, 0, 1, 1], [0, 0, 1, 0]],
+                                                           "candidate": [[1, 1, 1, 1], [0, 1, 1, 0]]})
+    out = tmp_path / "bound.json"
+    command = [sys.executable, str(BENCH / "workload_bound.py"), "--run-dir", str(run_dir),
+               "--model", str(tiny_model_dir), "--threads", "1", "--json", str(out)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    report = json.loads(out.read_text())
+    stages = report["stages"]
+    recorded = json.loads((run_dir / "evidence.json").read_text())["timings"]
+    assert stages["rollout"]["recorded_seconds"] == round(recorded["rollout_seconds"], 2)
+    for stage in ("rollout", "update", "re-test"):  # every computing stage has products
+        assert stages[stage]["products_seconds"] > 0
+    assert stages["load"]["products_seconds"] == stages["checkpoints"]["products_seconds"] == 0
+    passes = report["re-test_products_by_pass"]
+    assert set(passes) == {"eval", "guard"} and set(passes["guard"]) == {"baseline", "candidate"}
+    # the synthetic records carry the drift: the candidate's completions go through twice
+    assert passes["eval"]["baseline on the candidate's"] == passes["eval"]["candidate"]
+    total = sum(row["products_seconds"] for row in stages.values())
+    assert abs(report["total"]["products_seconds"] - total) < 0.02  # the rows rounded to 0.01
+    assert "total" in finished.stdout and "re-test" in finished.stdout
+
+
 def test_update_share_is_update_seconds_over_step_seconds():
     result = _result([10.0, 30.0], 100.0, 1.0, 1.0, valid_groups=2)
     result["steps"][0]["update_seconds"], result["steps"][1]["update_seconds"] = 6.0, 14.0
