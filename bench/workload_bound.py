@@ -81,7 +81,7 @@ class Products:
         if rows >= GRID[-1]:
             return self._time(part, GRID[-1]) * rows / GRID[-1]
         upper = next(i for i, g in enumerate(GRID) if g >= rows)
-        if GRID[upper] == rows or upper == 0:
+        if GRID[upper] == rows:  # rows 1 is GRID[0]
             return self._time(part, GRID[upper]) * rows / GRID[upper]
         low, high = GRID[upper - 1], GRID[upper]
         share = (rows - low) / (high - low)
@@ -107,12 +107,20 @@ def generation_seconds(products: Products, prompts: list[list[int]], lengths: li
     return total
 
 
-def grouped(records: list[dict], key) -> dict:
-    """records -> {key: {prompt_id: [completion lengths]}} in first-seen prompt order."""
+def grouped(records: list[dict], key, where: str, max_tokens: int, prompt_ids) -> dict:
+    """records -> {key: {prompt_id: [completion lengths]}} in first-seen prompt order. The run
+    directory is untrusted and its lengths set this script's work, so a length outside
+    0..max_tokens or a prompt outside the run's set is refused, naming the record."""
     out: dict = {}
-    for record in records:
-        out.setdefault(key(record), {}).setdefault(record["prompt_id"], []).append(
-            int(record["completion_tokens"]))
+    for number, record in enumerate(records, 1):
+        tokens, prompt = record.get("completion_tokens"), record.get("prompt_id")
+        if type(tokens) is not int or not 0 <= tokens <= max_tokens:
+            raise SystemExit(f"error: {where}: record {number}: field completion_tokens "
+                             f"{repr(tokens)[:40]} is not an integer in 0..{max_tokens}")
+        if not isinstance(prompt, str) or prompt not in prompt_ids:
+            raise SystemExit(f"error: {where}: record {number}: field prompt_id "
+                             f"{repr(prompt)[:40]} is not a prompt of the run's set")
+        out.setdefault(key(record), {}).setdefault(prompt, []).append(tokens)
     return out
 
 
@@ -161,18 +169,24 @@ def main() -> None:
         return generation_seconds(products, [encoded[split][p] for p in by_prompt],
                                   list(by_prompt.values()), group_size, batch_rows, shared[split])
 
-    steps = grouped(read_jsonl(run / "trajectories.jsonl"), lambda r: (r["step"], r.get("round", 0)))
+    def lengths(name: str, split: str, key) -> dict:
+        records = read_jsonl(run / name)
+        return grouped(records, key, str(run / name), config.max_new_tokens,
+                       encoded.get(split, {})), records
+
+    steps, _ = lengths("trajectories.jsonl", "train", lambda r: (r.get("step"), r.get("round", 0)))
     rollout = sum(sampled("train", by_prompt, config.group_size) for by_prompt in steps.values())
     retest = {}
     for split, name, group_size in (("eval", "eval_completions.jsonl", config.eval_group_size),
                                     ("guard", "guard_completions.jsonl", config.guard.group_size)):
         if (run / name).exists() and split in encoded:
-            by_policy = grouped(read_jsonl(run / name), lambda r: r["policy"])
+            by_policy, records = lengths(name, split, lambda r: str(r.get("policy")))
             retest[split] = {policy_name: sampled(split, by_prompt, group_size)
                              for policy_name, by_prompt in by_policy.items()}
-    drift = any("kl_to_baseline" in r for r in read_jsonl(run / "eval_completions.jsonl"))
-    if drift:  # the candidate's completions through the baseline as well
-        retest["eval"]["baseline on the candidate's"] = retest["eval"]["candidate"]
+            if split == "eval" and "candidate" in retest[split] and any(
+                    "kl_to_baseline" in r for r in records):
+                # the drift: the candidate's completions through the baseline as well
+                retest[split]["baseline on the candidate's"] = retest[split]["candidate"]
 
     eos = policy.tokenizer.eos_token_id
     rollouts = update_bound.recorded_rollouts(str(run), policy.tokenizer,

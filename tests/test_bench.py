@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -376,6 +377,22 @@ def test_workload_bound_interpolates_between_the_timed_row_counts():
     assert products.seconds("head", 512) == 513 * 2  # beyond 256 rows: 256's per-row cost
     assert products.seconds("layers", 0) == 0
     assert products.step(12, head_rows=3) == 25 + 7
+
+
+def test_workload_bound_refuses_lengths_beyond_the_budget_and_prompts_outside_the_set():
+    """A run directory is untrusted: its lengths set the script's work."""
+    from workload_bound import grouped
+
+    good = {"prompt_id": "a", "completion_tokens": 3, "policy": "baseline"}
+    assert grouped([good, good | {"completion_tokens": 48}], lambda r: r["policy"], "x.jsonl", 48,
+                   {"a"}) == {"baseline": {"a": [3, 48]}}
+    for bad, message in (({"completion_tokens": 49}, "record 2: field completion_tokens 49 is not"),
+                         ({"completion_tokens": 10 ** 12}, "record 2: field completion_tokens 1000000000000"),
+                         ({"completion_tokens": True}, "record 2: field completion_tokens True is not"),
+                         ({"completion_tokens": "5"}, "record 2: field completion_tokens '5' is not"),
+                         ({"prompt_id": "b"}, "record 2: field prompt_id 'b' is not a prompt")):
+        with pytest.raises(SystemExit, match="^error: x.jsonl: " + re.escape(message)):
+            grouped([good, good | bad], lambda r: r["policy"], "x.jsonl", 48, {"a"})
 
 
 def test_workload_bound_runs_on_a_recorded_tiny_run(tiny_model_dir, tmp_path):
