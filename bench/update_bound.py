@@ -35,9 +35,27 @@ import os
 import time
 
 
+def checked_record(record, number: int, where: str, max_tokens: int, prompt_ids) -> tuple[int, str]:
+    """(completion_tokens, prompt_id) of record `number` of a run directory's file `where`.
+    A run directory is untrusted and its lengths set a bench script's work, so a length outside
+    0..max_tokens or a prompt outside the run's set is refused with one error line."""
+    if not isinstance(record, dict):
+        raise SystemExit(f"error: {where}: record {number}: not a JSON object")
+    tokens, prompt = record.get("completion_tokens"), record.get("prompt_id")
+    if type(tokens) is not int or not 0 <= tokens <= max_tokens:
+        raise SystemExit(f"error: {where}: record {number}: field completion_tokens "
+                         f"{repr(tokens)[:40]} is not an integer in 0..{max_tokens}")
+    if not isinstance(prompt, str) or prompt not in prompt_ids:
+        raise SystemExit(f"error: {where}: record {number}: field prompt_id "
+                         f"{repr(prompt)[:40]} is not a prompt of the run's set")
+    return tokens, prompt
+
+
 def recorded_rollouts(run_dir: str, tokenizer, system_prompt: str, max_prompt_tokens: int,
-                      eos: int, steps: int) -> list[tuple[list, list, list]]:
-    """[(prompt ids per sequence, completion ids, rewards)] per step of a finished run."""
+                      eos: int, steps: int, max_tokens: int) -> list[tuple[list, list, list]]:
+    """[(prompt ids per sequence, completion ids, rewards)] per step of a finished run; each
+    record checked (`checked_record`, lengths up to `max_tokens`; step an integer, reward a
+    number, completion a string)."""
     from pathlib import Path
 
     from grpogate.files import read_jsonl
@@ -53,15 +71,23 @@ def recorded_rollouts(run_dir: str, tokenizer, system_prompt: str, max_prompt_to
     prompts = dict(zip([p.prompt_id for p in train],
                        encode_prompts(tokenizer, train, system_prompt, max_prompt_tokens)))
     by_step: dict[int, list[dict]] = {}
-    for record in read_jsonl(Path(run_dir) / "trajectories.jsonl"):
-        by_step.setdefault(int(record["step"]), []).append(record)
+    where = str(Path(run_dir) / "trajectories.jsonl")
+    for number, record in enumerate(read_jsonl(Path(run_dir) / "trajectories.jsonl"), 1):
+        checked_record(record, number, where, max_tokens, prompts)
+        for field, kinds in (("step", (int,)), ("round", (int,)), ("sample_index", (int,)),
+                             ("reward", (int, float)), ("completion", (str,))):
+            value = record.get(field, 0 if field == "round" else None)
+            if type(value) not in kinds:
+                raise SystemExit(f"error: {where}: record {number}: field {field} "
+                                 f"{repr(value)[:40]} is not {' or '.join(k.__name__ for k in kinds)}")
+        by_step.setdefault(record["step"], []).append(record)
     rollouts = []
     for step in sorted(by_step)[:steps or None]:
         records = sorted(by_step[step], key=lambda r: (r.get("round", 0), r["prompt_id"], r["sample_index"]))
         completions = []
         for record in records:
             ids = tokenizer.encode(record["completion"], add_special_tokens=False)
-            length = int(record["completion_tokens"])
+            length = record["completion_tokens"]
             completions.append((ids + [eos] * length)[:length])  # the recorded length exactly
         rollouts.append(([prompts[r["prompt_id"]] for r in records], completions,
                          [float(r["reward"]) for r in records]))
@@ -279,7 +305,9 @@ def main() -> None:
     parser.add_argument("--layouts", default="auto,padded,packed", help=f"from {', '.join(LAYOUTS)}")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per sampled step")
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=48,
+                        help="the sampled rollout's budget; with --run-dir, the longest recorded "
+                             "completion accepted (the run's max_new_tokens)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override (e.g. model=DIR for a small model)")
@@ -297,7 +325,7 @@ def main() -> None:
     policy.model.eval()  # as in a run, where the rollout's generate_completions sets it
     eos = policy.tokenizer.eos_token_id
     rollouts = (recorded_rollouts(args.run_dir, policy.tokenizer, config.resolved_system_prompt(),
-                                  config.max_prompt_tokens, eos, args.steps)
+                                  config.max_prompt_tokens, eos, args.steps, config.max_new_tokens)
                 if args.run_dir else sampled_rollouts(policy, config, args.steps))
     batches = [build_update_batch(p, c, r, config.group_size) for p, c, r in rollouts]
     batches = [b for b in batches if len(b)]

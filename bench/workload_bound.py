@@ -108,18 +108,13 @@ def generation_seconds(products: Products, prompts: list[list[int]], lengths: li
 
 
 def grouped(records: list[dict], key, where: str, max_tokens: int, prompt_ids) -> dict:
-    """records -> {key: {prompt_id: [completion lengths]}} in first-seen prompt order. The run
-    directory is untrusted and its lengths set this script's work, so a length outside
-    0..max_tokens or a prompt outside the run's set is refused, naming the record."""
+    """records -> {key: {prompt_id: [completion lengths]}} in first-seen prompt order, each
+    record checked by `update_bound.checked_record` (the run directory is untrusted)."""
+    from update_bound import checked_record  # bench/ is sys.path[0] when this script runs
+
     out: dict = {}
     for number, record in enumerate(records, 1):
-        tokens, prompt = record.get("completion_tokens"), record.get("prompt_id")
-        if type(tokens) is not int or not 0 <= tokens <= max_tokens:
-            raise SystemExit(f"error: {where}: record {number}: field completion_tokens "
-                             f"{repr(tokens)[:40]} is not an integer in 0..{max_tokens}")
-        if not isinstance(prompt, str) or prompt not in prompt_ids:
-            raise SystemExit(f"error: {where}: record {number}: field prompt_id "
-                             f"{repr(prompt)[:40]} is not a prompt of the run's set")
+        tokens, prompt = checked_record(record, number, where, max_tokens, prompt_ids)
         out.setdefault(key(record), {}).setdefault(prompt, []).append(tokens)
     return out
 
@@ -191,7 +186,8 @@ def main() -> None:
     eos = policy.tokenizer.eos_token_id
     rollouts = update_bound.recorded_rollouts(str(run), policy.tokenizer,
                                               config.resolved_system_prompt(),
-                                              config.max_prompt_tokens, eos, 0)
+                                              config.max_prompt_tokens, eos, 0,
+                                              config.max_new_tokens)
     batches = [b for b in (build_update_batch(p, c, r, config.group_size) for p, c, r in rollouts)
                if len(b)]
     settings, shape = UpdateSettings.from_config(config), ForwardShape.of(policy.model.config)

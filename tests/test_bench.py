@@ -342,6 +342,40 @@ def test_update_bound_runs_on_a_recorded_tiny_run(tiny_model_dir, tmp_path):
     assert f"update_useful_peak_fraction (packed): {report['update_useful_peak_fraction']:.3f}" in finished.stdout
 
 
+def test_update_bound_refuses_forged_trajectory_records(tiny_model_dir, tmp_path):
+    """A run directory is untrusted: a recorded length sets how many tokens the script builds."""
+    import update_bound
+    from synthetic_run import write_synthetic_run
+    from transformers import AutoTokenizer
+
+    run_dir = write_synthetic_run(tmp_path)
+    path = run_dir / "trajectories.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def rollouts(max_tokens=48):
+        return update_bound.recorded_rollouts(str(run_dir), tokenizer, "", 256, 2, 0, max_tokens)
+
+    got = rollouts()  # the records as written: 2 steps of 2 prompts x G = 4, lengths as recorded
+    assert [len(completions) for _, completions, _ in got] == [8, 8]
+    assert [len(c) for c in got[0][1]] == [r["completion_tokens"] for r in records[:8]]
+    lengths = [r["completion_tokens"] for r in records]
+    first_longest = lengths.index(max(lengths)) + 1  # records count from 1
+    with pytest.raises(SystemExit, match=f"record {first_longest}: field completion_tokens "
+                                         f"{max(lengths)} is not an integer in 0..{max(lengths) - 1}"):
+        rollouts(max(lengths) - 1)  # a budget smaller than what the run recorded
+    for field, value, message in (("completion_tokens", 10 ** 12, "field completion_tokens 1000000000000 is not"),
+                                  ("completion_tokens", "5", "field completion_tokens '5' is not"),
+                                  ("prompt_id", "forged", "field prompt_id 'forged' is not a prompt"),
+                                  ("step", "1e9", "field step '1e9' is not int"),
+                                  ("reward", True, "field reward True is not int or float"),
+                                  ("completion", None, "field completion None is not str")):
+        forged = records[:2] + [records[2] | {field: value}] + records[3:]
+        path.write_text("".join(json.dumps(r) + "\n" for r in forged))
+        with pytest.raises(SystemExit, match=f"^error: {re.escape(str(path))}: record 3: {re.escape(message)}"):
+            rollouts()
+
+
 class _HandProducts:
     """A layers' row costs 1 s, an LM head row 100 s: every count below is readable."""
 
