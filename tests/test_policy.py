@@ -215,6 +215,33 @@ def test_reference_mode_without_baseline_adapter_is_the_base_model(fresh, tiny_m
     assert not torch.allclose(logits(fresh.model), base_logits, atol=1e-3)  # adapter back on
 
 
+def test_adapters_disabled_is_peft_disable_adapter_and_restores_each_layer(fresh):
+    from peft.tuners.lora import LoraLayer
+
+    perturb_lora_b(fresh.model)
+    with fresh.model.disable_adapter():
+        peft_logits = logits(fresh.model)
+    flags = grad_flags(fresh.model)
+    with policy_module.adapters_disabled(fresh.model):
+        assert torch.equal(logits(fresh.model), peft_logits)  # the base model, bit for bit
+        assert not any(grad_flags(fresh.model).values())  # as PEFT's: adapters frozen while off
+    assert grad_flags(fresh.model) == flags
+    # A layer switched off before the block stays off after it; the others come back on.
+    layers = [m for m in fresh.model.modules() if isinstance(m, LoraLayer)]
+    layers[0].enable_adapters(False)
+    with policy_module.adapters_disabled(fresh.model):
+        pass
+    assert layers[0].disable_adapters and not any(layer.disable_adapters for layer in layers[1:])
+    layers[0].enable_adapters(True)
+    assert grad_flags(fresh.model) == flags
+
+
+def test_the_model_loads_without_hub_kernels(fresh):
+    """transformers' hub kernels are code from the hub, and re-kernelize on every train/eval
+    switch; the policy's model is loaded with them off."""
+    assert fresh.model.get_base_model().use_kernels is False
+
+
 # --- input checks ---------------------------------------------------------------------------
 
 
