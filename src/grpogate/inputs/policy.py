@@ -282,9 +282,8 @@ def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -
     tokenizer = AutoTokenizer.from_pretrained(base.load_dir, trust_remote_code=False, **options)
     if base.kind != "hf-id":
         options["use_safetensors"] = True
-    # use_kernels=False: transformers would otherwise fetch and run layer kernels from the hub
-    # (code the model does not ship), and re-kernelize the whole model on every train/eval
-    # switch, which a rollout makes twice (measured in the profile of a 16-step run: 0.6 s).
+    # use_kernels=False: no layer kernels fetched from the hub (code the model does not ship),
+    # nor the model re-kernelized on every train/eval switch (two a rollout; bench/README.md).
     model = AutoModelForCausalLM.from_pretrained(base.load_dir, dtype=dtype, use_kernels=False,
                                                  trust_remote_code=False, **options)
     if base.kind == "hf-id":
@@ -344,14 +343,9 @@ def reference_mode(policy: Policy):
 
 @contextlib.contextmanager
 def adapters_disabled(model):
-    """Inside this block `model` computes its base model's outputs: every adapter layer is
-    switched off by its own `enable_adapters`, and back to what it was afterwards.
-
-    What PEFT's `disable_adapter()` does for LoRA, without the model status it first assembles
-    on every call (each layer's repr and the parameter counts): in the profile of a 16-step run
-    that status and PEFT's walk over all modules took 1.2 s, most of it in the update's
-    reference forwards. Like PEFT's, the switch sets the adapters' requires_grad as
-    `enable_adapters` does."""
+    """PEFT's `disable_adapter()` for LoRA (the base model's outputs inside the block, each
+    adapter layer's state and requires_grad restored after), without the model status PEFT
+    assembles on every call: a quarter of its cost, once per reference forward and sampling."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
 
