@@ -97,10 +97,11 @@ def recorded_rollouts(run_dir: str, tokenizer, system_prompt: str, max_prompt_to
 def _regenerated_train_set(run_dir):
     """The train problems of a run without problems.jsonl: its task, sizes and seed as its
     evidence records them (prompt ids are question hashes, so a mismatch cannot pass)."""
-    from grpogate.config import load_config
     from grpogate.admission import load_problem_sets
+    from grpogate.config import load_config
+    from grpogate.files import read_json
 
-    recorded = json.loads((run_dir / "evidence.json").read_text())["config"]
+    recorded = read_json(run_dir / "evidence.json")["config"]  # bounded and strict: untrusted
     task = recorded["task"]
     overrides = [f"task.{key}={json.dumps(value)}" for key, value in task.items()
                  if key != "params" and isinstance(value, (str, int, float, bool))]

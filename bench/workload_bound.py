@@ -124,7 +124,7 @@ def main() -> None:
 
     import update_bound  # bench/ is sys.path[0] when this script runs
     from grpogate.config import resume_config
-    from grpogate.files import read_jsonl
+    from grpogate.files import read_json, read_jsonl
     from grpogate.inputs.policy import load_policy
     from grpogate.inputs.tasks import stored_sets
     from grpogate.sampling.decoding import shared_prefix_length
@@ -142,7 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     run = Path(args.run_dir)
-    evidence = json.loads((run / "evidence.json").read_text())
+    evidence = read_json(run / "evidence.json")  # bounded and strict: the run directory is untrusted
     config = resume_config(evidence["config"], str(run / "evidence.json"))
     if args.model:
         config = dataclasses.replace(config, model=args.model)
