@@ -278,3 +278,39 @@ def test_a_manifest_naming_another_base_model_identity_is_refused_after_loading(
                                          "new_policy_version"):
         pipeline.run(config)
     assert not (tmp_path / "next").exists()
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+@pytest.mark.parametrize("fails", [False, True])
+def test_loading_runs_with_the_collector_paused_and_freezes_what_it_built(
+        monkeypatch, enabled_before, fails):
+    """Loading builds about 0.5 M objects that live for the whole run: no collector pass
+    during it, they are frozen after it (also when it fails), and the collector's on/off state
+    is the caller's again."""
+    import gc
+
+    seen = {}
+
+    def fake_prepare(_admission):
+        seen["enabled"] = gc.isenabled()
+        seen["built"] = [[index] for index in range(1000)]  # tracked objects to freeze
+        if fails:
+            raise InputError("bad input")
+        return "prepared"
+
+    monkeypatch.setattr(pipeline, "prepare", fake_prepare)
+    was = gc.isenabled()
+    (gc.enable if enabled_before else gc.disable)()
+    gc.unfreeze()
+    try:
+        if fails:
+            with pytest.raises(InputError):
+                pipeline.prepare_uncollected(None)
+        else:
+            assert pipeline.prepare_uncollected(None) == "prepared"
+        assert seen["enabled"] is False
+        assert gc.isenabled() is enabled_before
+        assert gc.get_freeze_count() >= 1000 + 1  # the lists built and the list holding them
+    finally:
+        gc.unfreeze()
+        (gc.enable if was else gc.disable)()
