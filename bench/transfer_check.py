@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -45,12 +44,16 @@ NEIGHBOUR = ["task.params.min_terms=3", "task.params.max_terms=3"]
 def run_config(run_dir: Path):
     """The run's own configuration, exactly as stored (the audit and replay rebuild it so)."""
     from grpogate.config import resume_config
+    from grpogate.files import read_json
+    from grpogate.review.replay import refuse_sources_inside
 
     if not (run_dir / "evidence.json").is_file() or not (run_dir / "manifest.json").is_file():
         raise SystemExit(f"error: {run_dir}: not a finished run directory (no evidence.json "
                          "or manifest.json)")
-    evidence = json.loads((run_dir / "evidence.json").read_text(encoding="utf-8"))
-    return resume_config(evidence["config"], f"{run_dir}/evidence.json"), evidence
+    evidence = read_json(run_dir / "evidence.json")  # bounded and strict: untrusted
+    config = resume_config(evidence["config"], f"{run_dir}/evidence.json")
+    refuse_sources_inside(config, run_dir)
+    return config, evidence
 
 
 def shifted(config, overrides: list[str], eval_prompts: int | None):

@@ -124,8 +124,10 @@ def main() -> None:
 
     import update_bound  # bench/ is sys.path[0] when this script runs
     from grpogate.config import resume_config
+    from grpogate.errors import InputError
     from grpogate.files import read_json, read_jsonl
     from grpogate.inputs.policy import load_policy
+    from grpogate.review.replay import refuse_sources_inside
     from grpogate.inputs.tasks import stored_sets
     from grpogate.sampling.decoding import shared_prefix_length
     from grpogate.sampling.rollout import encode_prompts
@@ -146,6 +148,10 @@ def main() -> None:
     config = resume_config(evidence["config"], str(run / "evidence.json"))
     if args.model:
         config = dataclasses.replace(config, model=args.model)
+    try:
+        refuse_sources_inside(config, run)
+    except InputError as error:
+        raise SystemExit(f"error: {error}") from None
     policy = load_policy(config, seed=config.seed)
     dtype = next(policy.model.parameters()).dtype
     problems_path = run / "problems.jsonl"

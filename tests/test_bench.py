@@ -455,6 +455,30 @@ def test_workload_bound_runs_on_a_recorded_tiny_run(tiny_model_dir, tmp_path):
     assert "total" in finished.stdout and "re-test" in finished.stdout
 
 
+@pytest.mark.parametrize("field", ["model", "adapter"])
+def test_bench_scripts_refuse_a_model_or_adapter_the_run_directory_brings(tmp_path, field):
+    """workload_bound and transfer_check rebuild a run from its stored config; a model or
+    baseline adapter path inside the run directory is refused before anything loads."""
+    from synthetic_run import write_synthetic_run
+
+    run_dir = write_synthetic_run(tmp_path)
+    planted = run_dir / "adapter"  # any path inside the run directory
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    evidence["config"][field] = str(planted)
+    (run_dir / "evidence.json").write_text(json.dumps(evidence))
+    message = f"field config.{field}: {planted} is inside the run directory"
+    command = [sys.executable, str(BENCH / "workload_bound.py"), "--run-dir", str(run_dir),
+               "--threads", "1"]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 1 and message in finished.stderr
+    assert finished.stderr.startswith("error: ") and "Traceback" not in finished.stderr
+    finished = subprocess.run([sys.executable, str(BENCH / "transfer_check.py"), str(run_dir),
+                               "--record", str(tmp_path / "record.jsonl")],
+                              capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 1 and message in finished.stderr
+    assert not (tmp_path / "record.jsonl").exists()
+
+
 def test_update_share_is_update_seconds_over_step_seconds():
     result = _result([10.0, 30.0], 100.0, 1.0, 1.0, valid_groups=2)
     result["steps"][0]["update_seconds"], result["steps"][1]["update_seconds"] = 6.0, 14.0

@@ -337,6 +337,15 @@ class RunDirLock:
         self.release()
 
 
+def lies_inside(path: str, run_dir: Path) -> bool:
+    """Whether `path` exists (a link counts) and lies in `run_dir`, as written or with symlinks
+    resolved: a model or adapter a run directory brings along, never to be loaded from it."""
+    if not os.path.lexists(path):
+        return False
+    return (Path(os.path.abspath(path)).is_relative_to(os.path.abspath(run_dir))
+            or Path(path).resolve().is_relative_to(Path(run_dir).resolve()))
+
+
 RUN_MARKERS = ("evidence.json", "trajectories.jsonl", "checkpoints", "manifest.json")
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from grpogate.config import BUNDLED_MODEL, resume_config
 from grpogate.errors import InputError, first_line
 from grpogate.evidence.assemble import library_versions
 from grpogate.evidence.audit import reload_problem_sets
-from grpogate.files import ADAPTER_WEIGHTS, parse_json, read_jsonl
+from grpogate.files import ADAPTER_WEIGHTS, lies_inside, parse_json, read_jsonl
 from grpogate.inputs.policy import (TRAINABLE, current_version, load_adapter_state, load_policy)
 from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import StopRequest
@@ -115,15 +114,6 @@ def _environment_differences(recorded: dict, config) -> dict:
             for key in ENVIRONMENT_KEYS if recorded.get(key) != now.get(key)}
 
 
-def _inside(path: str, run_dir: Path) -> bool:
-    """Whether `path` exists (a link counts) and lies in the run directory, as written or with
-    symlinks resolved."""
-    if not os.path.lexists(path):
-        return False
-    return (Path(os.path.abspath(path)).is_relative_to(os.path.abspath(run_dir))
-            or Path(path).resolve().is_relative_to(run_dir.resolve()))
-
-
 def _recorded_sources(run_dir: Path, evidence: dict) -> tuple[str, str, str, str]:
     """(model, its evidence field, revision, baseline adapter path or "") as the evidence
     records them. InputError when one is not a string or names a path inside the run
@@ -141,10 +131,23 @@ def _recorded_sources(run_dir: Path, evidence: dict) -> tuple[str, str, str, str
         if not isinstance(value, str) or (name == field and not value):
             raise InputError(f"{where}: field {name}: expected a name or path, got {value!r}")
         a_path = name != "inputs.model.revision" and value not in ("", BUNDLED_MODEL)
-        if a_path and _inside(value, run_dir):
+        if a_path and lies_inside(value, run_dir):
             raise InputError(f"{where}: field {name}: {value} is inside the run directory; "
                              "--replay loads only a model and baseline adapter of your own")
     return spec, field, revision, adapter
+
+
+def refuse_sources_inside(config, run_dir: Path) -> None:
+    """InputError when the run's stored config names a model or baseline adapter inside the
+    run directory: tools that rebuild a run from its config (the benchmarks) load the user's
+    own model and baseline, never ones the run directory brings along."""
+    for name in ("model", "adapter"):
+        value = getattr(config, name)
+        if isinstance(value, str) and value not in ("", BUNDLED_MODEL) and lies_inside(value,
+                                                                                    run_dir):
+            raise InputError(f"{run_dir}/evidence.json: field config.{name}: {value} is inside "
+                             "the run directory; only a model and baseline adapter of your own "
+                             "are loaded")
 
 
 def _delivered_policy(run_dir: Path, evidence: dict, config):
