@@ -127,8 +127,8 @@ def main() -> None:
     from grpogate.errors import InputError
     from grpogate.files import read_json, read_jsonl
     from grpogate.inputs.policy import load_policy
-    from grpogate.review.replay import refuse_sources_inside
     from grpogate.inputs.tasks import stored_sets
+    from grpogate.review.replay import refuse_sources_inside
     from grpogate.sampling.decoding import shared_prefix_length
     from grpogate.sampling.rollout import encode_prompts
     from grpogate.training.advantages import build_update_batch
