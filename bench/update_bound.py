@@ -372,4 +372,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from grpogate.errors import InputError
+
+    try:
+        main()
+    except InputError as error:  # a run directory's bad file: one line, no traceback
+        raise SystemExit(f"error: {error}") from None

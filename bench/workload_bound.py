@@ -124,7 +124,6 @@ def main() -> None:
 
     import update_bound  # bench/ is sys.path[0] when this script runs
     from grpogate.config import resume_config
-    from grpogate.errors import InputError
     from grpogate.files import read_json, read_jsonl
     from grpogate.inputs.policy import load_policy
     from grpogate.inputs.tasks import stored_sets
@@ -145,13 +144,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     run = Path(args.run_dir)
     evidence = read_json(run / "evidence.json")  # bounded and strict: the run directory is untrusted
-    config = resume_config(evidence["config"], str(run / "evidence.json"))
+    config = resume_config(evidence.get("config") if isinstance(evidence, dict) else None,
+                           str(run / "evidence.json"))
     if args.model:
         config = dataclasses.replace(config, model=args.model)
-    try:
-        refuse_sources_inside(config, run)
-    except InputError as error:
-        raise SystemExit(f"error: {error}") from None
+    refuse_sources_inside(config, run)
     policy = load_policy(config, seed=config.seed)
     dtype = next(policy.model.parameters()).dtype
     problems_path = run / "problems.jsonl"
@@ -236,4 +233,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from grpogate.errors import InputError
+
+    try:
+        main()
+    except InputError as error:  # a run directory's bad file: one line, no traceback
+        raise SystemExit(f"error: {error}") from None

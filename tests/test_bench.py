@@ -479,6 +479,36 @@ def test_bench_scripts_refuse_a_model_or_adapter_the_run_directory_brings(tmp_pa
     assert not (tmp_path / "record.jsonl").exists()
 
 
+@pytest.mark.parametrize("damaged", ["evidence.json", "trajectories.jsonl"])
+def test_the_bounds_name_a_damaged_run_file_in_one_error_line(tiny_model_dir, tmp_path, damaged):
+    """update_bound and workload_bound read a stranger's run directory: a file that is not
+    JSON is one `error:` line naming it (and the line, for JSONL), never a traceback."""
+    from synthetic_run import write_synthetic_run
+
+    run_dir = write_synthetic_run(tmp_path)
+    path = run_dir / damaged
+    if damaged == "evidence.json":
+        path.write_text("{not json")
+        where = str(path)
+    else:
+        lines = path.read_text().count("\n")
+        path.write_text(path.read_text() + "{not json\n")
+        where = f"{path}:{lines + 1}"
+    commands = {
+        "update_bound": [sys.executable, str(BENCH / "update_bound.py"), "--run-dir", str(run_dir),
+                         "--steps", "0", "--group-size", "4", "--rounds", "1", "--threads", "1",
+                         "--set", f"model={tiny_model_dir}"],
+        "workload_bound": [sys.executable, str(BENCH / "workload_bound.py"), "--run-dir",
+                           str(run_dir), "--model", str(tiny_model_dir), "--threads", "1"]}
+    if damaged == "evidence.json":  # update_bound reads it only for a run without problems.jsonl
+        del commands["update_bound"]
+    for name, command in commands.items():
+        finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert finished.returncode == 1, (name, finished.stderr[-2000:])
+        last = finished.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: {where}") and "Traceback" not in finished.stderr, (name, last)
+
+
 def test_update_share_is_update_seconds_over_step_seconds():
     result = _result([10.0, 30.0], 100.0, 1.0, 1.0, valid_groups=2)
     result["steps"][0]["update_seconds"], result["steps"][1]["update_seconds"] = 6.0, 14.0
