@@ -314,3 +314,19 @@ def test_loading_runs_with_the_collector_paused_and_freezes_what_it_built(
     finally:
         gc.unfreeze()
         (gc.enable if was else gc.disable)()
+
+
+def test_what_loading_froze_is_handed_back_when_loading_fails(tiny_config, tmp_path, monkeypatch):
+    """prepare_uncollected freezes the objects loading built; a load that raises still leaves
+    nothing frozen in the caller's process once run() returns."""
+    import gc
+
+    def failing_prepare(_admission):
+        raise InputError("the load failed")
+
+    monkeypatch.setattr(pipeline, "prepare", failing_prepare)
+    gc.unfreeze()
+    with pytest.raises(InputError, match="the load failed"):
+        pipeline.run(tiny_config(tmp_path))
+    assert gc.get_freeze_count() == 0
+    assert not (tmp_path / "run").exists()

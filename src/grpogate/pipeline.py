@@ -329,9 +329,10 @@ def _execute(admission: Admission, reporter, stop: StopRequest,
              resumed: Checkpoint | None, held, world: World = SINGLE) -> dict:
     """The stages of one run, in order."""
     started = time.perf_counter()
+    # Registered first: what loading froze is handed back also when loading fails.
+    held.callback(gc.unfreeze)
     # admission's second half: the policy loaded, prompts encoded
     prepared = prepare_uncollected(admission)
-    held.callback(gc.unfreeze)
     if agree_stop(world, stop):  # nothing written or changed yet: stopping here leaves no trace
         raise RunInterrupted(stop.signal_name)
     opened = open_run(admission, prepared, resumed, started, reporter, held, world)
