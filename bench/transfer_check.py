@@ -51,7 +51,8 @@ def run_config(run_dir: Path):
         raise SystemExit(f"error: {run_dir}: not a finished run directory (no evidence.json "
                          "or manifest.json)")
     evidence = read_json(run_dir / "evidence.json")  # bounded and strict: untrusted
-    config = resume_config(evidence["config"], f"{run_dir}/evidence.json")
+    config = resume_config(evidence.get("config") if isinstance(evidence, dict) else None,
+                           f"{run_dir}/evidence.json")
     refuse_sources_inside(config, run_dir)
     return config, evidence
 

@@ -114,6 +114,12 @@ def _environment_differences(recorded: dict, config) -> dict:
             for key in ENVIRONMENT_KEYS if recorded.get(key) != now.get(key)}
 
 
+def _brought_along(value: str, run_dir: Path) -> bool:
+    """A model or adapter path (not the bundled model's name, not empty) inside the run
+    directory: what a run directory brings along is never loaded."""
+    return value not in ("", BUNDLED_MODEL) and lies_inside(value, run_dir)
+
+
 def _recorded_sources(run_dir: Path, evidence: dict) -> tuple[str, str, str, str]:
     """(model, its evidence field, revision, baseline adapter path or "") as the evidence
     records them. InputError when one is not a string or names a path inside the run
@@ -130,8 +136,7 @@ def _recorded_sources(run_dir: Path, evidence: dict) -> tuple[str, str, str, str
                         ("inputs.baseline_adapter.path", adapter)):
         if not isinstance(value, str) or (name == field and not value):
             raise InputError(f"{where}: field {name}: expected a name or path, got {value!r}")
-        a_path = name != "inputs.model.revision" and value not in ("", BUNDLED_MODEL)
-        if a_path and lies_inside(value, run_dir):
+        if name != "inputs.model.revision" and _brought_along(value, run_dir):
             raise InputError(f"{where}: field {name}: {value} is inside the run directory; "
                              "--replay loads only a model and baseline adapter of your own")
     return spec, field, revision, adapter
@@ -143,8 +148,7 @@ def refuse_sources_inside(config, run_dir: Path) -> None:
     own model and baseline, never ones the run directory brings along."""
     for name in ("model", "adapter"):
         value = getattr(config, name)
-        if isinstance(value, str) and value not in ("", BUNDLED_MODEL) and lies_inside(value,
-                                                                                    run_dir):
+        if isinstance(value, str) and _brought_along(value, run_dir):
             raise InputError(f"{run_dir}/evidence.json: field config.{name}: {value} is inside "
                              "the run directory; only a model and baseline adapter of your own "
                              "are loaded")
