@@ -173,12 +173,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="prompts per check (default: the run's eval_prompts)")
     parser.add_argument("--record", type=Path, default=DEFAULT_RECORD)
     args = parser.parse_args(argv)
-    from grpogate.errors import InputError
+    from grpogate.errors import InputError, visible
 
     try:
         row = transfer(args.run_dir, args.seed, args.neighbour or NEIGHBOUR, args.eval_prompts)
     except InputError as error:
-        raise SystemExit(f"error: {error}") from None
+        raise SystemExit(f"error: {visible(error)}") from None
     append_record(args.record, row)
     print(summary(row), flush=True)
 

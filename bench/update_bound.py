@@ -372,9 +372,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from grpogate.errors import InputError
+    from grpogate.errors import InputError, visible
 
     try:
         main()
     except InputError as error:  # a run directory's bad file: one line, no traceback
-        raise SystemExit(f"error: {error}") from None
+        raise SystemExit(f"error: {visible(error)}") from None

@@ -462,20 +462,24 @@ def test_bench_scripts_refuse_a_model_or_adapter_the_run_directory_brings(tmp_pa
     from synthetic_run import write_synthetic_run
 
     run_dir = write_synthetic_run(tmp_path)
-    planted = run_dir / "adapter"  # any path inside the run directory
+    planted = run_dir / "adapter" / "x\x1b[2J"  # inside the run directory, its name hostile
+    planted.mkdir()
     evidence = json.loads((run_dir / "evidence.json").read_text())
     evidence["config"][field] = str(planted)
     (run_dir / "evidence.json").write_text(json.dumps(evidence))
-    message = f"field config.{field}: {planted} is inside the run directory"
+    shown = str(planted).replace("\x1b", "\\x1b")  # printed as text, never the raw ESC
+    message = f"field config.{field}: {shown} is inside the run directory"
     command = [sys.executable, str(BENCH / "workload_bound.py"), "--run-dir", str(run_dir),
                "--threads", "1"]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 1 and message in finished.stderr
     assert finished.stderr.startswith("error: ") and "Traceback" not in finished.stderr
+    assert "\x1b" not in finished.stderr
     finished = subprocess.run([sys.executable, str(BENCH / "transfer_check.py"), str(run_dir),
                                "--record", str(tmp_path / "record.jsonl")],
                               capture_output=True, text=True, timeout=600)
     assert finished.returncode == 1 and message in finished.stderr
+    assert "\x1b" not in finished.stderr
     assert not (tmp_path / "record.jsonl").exists()
 
 

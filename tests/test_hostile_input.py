@@ -21,7 +21,7 @@ from test_standalone_eval import A, B
 from typer.testing import CliRunner
 
 from grpogate.cli import app
-from grpogate.errors import command, plain
+from grpogate.errors import command, plain, visible
 
 ESC = "\x1b"
 HOSTILE = f"{ESC}[2J{ESC}]0;TITLE\x07[link=https://x.example]x[/link][green]decision: accept[/oops]"
@@ -72,6 +72,11 @@ def edit_json(path: Path, change) -> None:
 ])
 def test_plain_shows_markup_and_control_characters_as_text(text, shown):
     assert plain(text) == shown
+
+
+def test_visible_shows_control_characters_and_leaves_markup_for_a_plain_stream():
+    # a plain stream (a bench script's stderr) has no markup: "[" stays, ESC and RLO show
+    assert visible(f"[green]{ESC}[2J x\u202eevil\nline") == "[green]\\x1b[2J x\\u202eevil\\x0aline"
 
 
 def test_copyable_commands_are_shell_quoted():

@@ -10,7 +10,8 @@ as text. Rich markup in it is escaped (`[link=...]`, `[green]`, `[/oops]` print 
 control characters (ESC, the rest of C0 and C1, DEL), bidi overrides, line separators and lone
 surrogates print as visible escapes, so no file can clear the screen, set the title, reorder
 a line, fake a line of our own or crash the console's encoder. `command(...)` is a command
-line printed for the user to copy: each word shell-quoted, then `plain`.
+line printed for the user to copy: each word shell-quoted, then `plain`. `visible(value)` is
+`plain` for a stream that is not a rich console (no markup to escape).
 """
 
 import re
@@ -31,9 +32,14 @@ def _visible(match: re.Match) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
+def visible(value) -> str:
+    """`value` as text for a plain stream (stderr, a log): "\\x1b[2J" for ESC [2J."""
+    return _INVISIBLE.sub(_visible, str(value))
+
+
 def plain(value) -> str:
     """`value` as text for a rich console: "\\x1b[2J" for ESC [2J, "\\[/oops]" for [/oops]."""
-    return escape(_INVISIBLE.sub(_visible, str(value)))
+    return escape(visible(value))
 
 
 def command(*words) -> str:
