@@ -8,7 +8,9 @@ manifest.build_manifest, atomic writes), so the audit and the report see what a 
 Layout: GSM8K-format JSONL with 4 train and 2 eval problems; 2 steps of 2 prompts x G=4;
 re-test with 4 samples per eval prompt. Train reward groups [1,0,0,1] [0,0,0,0] | [1,1,1,1]
 [0,1,0,0] (2 of 4 valid); eval rewards baseline [0,0,0,0] [1,0,0,0], candidate [1,0,1,0]
-[1,1,0,0]. With the default gates the decision is `accept`.
+[1,1,0,0]. Two eval prompts can never resolve a gain under the default's paired sign-flip
+test (its smallest p-value is 1/4), so the fixture records the point-estimate rule
+(require_significant_gain = false) unless a test passes the switch; the decision is `accept`.
 
 Drift (the same for both eval prompts): samples 0..3 have 6, 7, 8 and 16 tokens; the baseline's
 mean per-token entropy per sample is 0.9, 0.8, 0.7, 0.6, the candidate's 0.5 throughout, and
@@ -47,6 +49,7 @@ TRAIN_REWARDS = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0]]
 EVAL_REWARDS = {"baseline": [[0, 0, 0, 0], [1, 0, 0, 0]],
                 "candidate": [[1, 0, 1, 0], [1, 1, 0, 0]]}
 MAX_NEW_TOKENS = 16
+POINT_ESTIMATE = {"require_significant_gain": False}
 BASELINE_ENTROPY = [0.9, 0.8, 0.7, 0.6]
 CANDIDATE_ENTROPY = [0.5, 0.5, 0.5, 0.5]
 CANDIDATE_KL = [0.1, 0.2, 0.3, 0.4]
@@ -123,7 +126,7 @@ def write_synthetic_run(root: Path, guard_rewards: dict | None = None, **gates) 
         out=str(run_dir), label="synthetic", profile="synthetic",
         task=TaskConfig(source="gsm8k", path=str(data)), train_prompts=4, eval_prompts=2,
         prompts_per_step=2, group_size=4, eval_group_size=4, max_new_tokens=MAX_NEW_TOKENS,
-        gates=dataclasses.replace(Gates(), **gates),
+        gates=dataclasses.replace(Gates(), **{**POINT_ESTIMATE, **gates}),
         guard=GuardConfig(prompts=len(guard_rewards["baseline"]) if guard_rewards else 0,
                           group_size=len(guard_rewards["baseline"][0]) if guard_rewards else 4)))
     train, train_id, eval_set, eval_id = load_problem_sets(config.task, config.train_prompts,

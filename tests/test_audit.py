@@ -296,7 +296,7 @@ def test_a_recorded_baseline_version_that_is_not_the_base_model_is_named(run_dir
 
 def test_decide_prints_every_gate_the_run_loosened(tmp_path):
     run_dir = write_synthetic_run(tmp_path, minimum_valid_group_ratio=0.0,
-                                  maximum_max_length_hit_ratio=1.0)
+                                  maximum_max_length_hit_ratio=1.0, require_significant_gain=True)
     result = CliRunner().invoke(app, ["decide", str(run_dir)])
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if line.startswith("non-default gate")]
@@ -347,11 +347,15 @@ def test_sampler_logprobs_of_the_wrong_length_are_named(run_dir):
 
 
 def test_decide_states_which_gain_rule_decided(tmp_path):
-    significant = write_synthetic_run(tmp_path / "significant")
+    significant = write_synthetic_run(tmp_path / "significant", require_significant_gain=True)
     result = CliRunner().invoke(app, ["decide", str(significant)])
-    assert result.exit_code == 0, result.output
-    assert ("gain gates (reward, pass_at_group) read the 95 % paired bootstrap lower bound "
-            "(gates.require_significant_gain = true)") in " ".join(result.output.split())
+    assert result.exit_code == 0, result.output  # agrees: two eval prompts end tune (p >= 1/4)
+    text = " ".join(result.output.split())
+    assert ("gain gates (reward, pass_at_group) pass when a one-sided paired sign-flip test "
+            "rejects 'gain <= minimum' at p <= 0.025 (gates.require_significant_gain = true)"
+            ) in text
+    # Reward deltas 0.5 and 0.25, both positive: p = 1/2^2 = 0.25 (2 of 2 prompts differ).
+    assert "reward test: p = 0.25 (exact; 2 of 2 prompts differ" in text
     point = write_synthetic_run(tmp_path / "point", require_significant_gain=False)
     result = CliRunner().invoke(app, ["decide", str(point)])
     assert result.exit_code == 0, result.output

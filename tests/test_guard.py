@@ -79,20 +79,36 @@ def _row(evidence: dict, gates: dict, name: str) -> dict:
     return next(r for r in decisions.decide_run(evidence, gates)["checks"] if r["name"] == name)
 
 
-def test_guard_rule_reads_the_upper_bound_or_the_point_estimate():
-    evidence = {"guard": {"enabled": True, "reward_mean_gain": -0.05,
-                          "paired": {"reward_mean_gain": {"low": -0.12, "high": 0.02}}}}
+def _guard(deltas: list[float], point: float) -> dict:
+    """A guard section whose baseline scores 0.5 on every prompt and whose candidate adds
+    `deltas`, with the recorded point estimate `point`."""
+    base = [{"prompt_id": f"g{i}", "mean_reward": 0.5} for i in range(len(deltas))]
+    cand = [{"prompt_id": f"g{i}", "mean_reward": 0.5 + d} for i, d in enumerate(deltas)]
+    return {"guard": {"enabled": True, "reward_mean_gain": point,
+                      "baseline": {"per_prompt": base}, "candidate": {"per_prompt": cand},
+                      "paired": {"reward_mean_gain": {"low": -0.5, "high": 0.0}}}}
+
+
+def test_guard_rule_reads_the_test_or_the_point_estimate():
     significant = {"maximum_guard_reward_loss": 0.0, "require_significant_gain": True}
-    # Upper bound +0.02 >= -0.0: not significantly worse, passes.
-    assert _row(evidence, significant, "guard")["passed"] is True
-    assert _row(evidence, significant, "guard")["value"] == 0.02
-    # Upper bound -0.03 < -0.0 fails; with a tolerated loss of 0.05, -0.03 >= -0.05 passes.
-    evidence["guard"]["paired"]["reward_mean_gain"]["high"] = -0.03
-    assert _row(evidence, significant, "guard")["passed"] is False
-    assert _row(evidence, significant | {"maximum_guard_reward_loss": 0.05}, "guard")["passed"]
-    # Point-estimate rule: -0.05 < -0.0 fails.
+    # Six of eight prompts lose 0.5: under "no loss" each sign is a fair coin, so all six
+    # negative has p = 1/2^6 = 1/64 = 0.015625 <= 0.025: significantly worse, fails.
+    six = _row(_guard([-0.5] * 6 + [0.0] * 2, -0.375), significant, "guard")
+    assert (six["value"], six["passed"]) == (1 / 64, False)
+    assert six["threshold"] == "p > 0.025 (H0: guard gain >= 0)"
+    # Four of eight: p = 1/16 = 0.0625, not resolved; the guard passes.
+    four = _row(_guard([-0.5] * 4 + [0.0] * 4, -0.25), significant, "guard")
+    assert (four["value"], four["passed"]) == (1 / 16, True)
+    # A tolerated loss of 0.25: the test flips x = delta + 0.25 = -0.25 x 6, +0.25 x 2, all of
+    # one magnitude, so it counts signs: the observed loss side has 6 of 8, and P(X >= 6 |
+    # Binomial(8, 1/2)) = (C(8,6) + C(8,7) + C(8,8)) / 2^8 = (28 + 8 + 1) / 256 = 37/256.
+    tolerant = _row(_guard([-0.5] * 6 + [0.0] * 2, -0.375),
+                    significant | {"maximum_guard_reward_loss": 0.25}, "guard")
+    assert (tolerant["value"], tolerant["passed"]) == (37 / 256, True)
+    # Point-estimate rule: -0.375 < -0.0 fails.
     point = {"maximum_guard_reward_loss": 0.0, "require_significant_gain": False}
-    assert _row(evidence, point, "guard")["value"] == -0.05
+    evidence = _guard([-0.5] * 6 + [0.0] * 2, -0.375)
+    assert _row(evidence, point, "guard")["value"] == -0.375
     assert _row(evidence, point, "guard")["passed"] is False
     # Off is recorded as off and passes; gates without the guard gate (older runs): no row.
     assert _row({"guard": {"enabled": False}}, significant, "guard")["value"] == "off"
@@ -176,14 +192,14 @@ def test_the_audit_recomputes_the_guard(tmp_path):
     run_dir = write_synthetic_run(tmp_path, guard_rewards=WORSE)
     path = run_dir / "evidence.json"
     evidence = json.loads(path.read_text())
-    # A forged guard upper bound (and decision) that would pass the gate.
-    evidence["guard"]["paired"]["reward_mean_gain"]["high"] = 0.1
+    # A forged guard gain (and decision) that would pass the point-estimate gate.
+    evidence["guard"]["reward_mean_gain"] = 0.1
     evidence["decision"] = decisions.decide_run(evidence, evidence["config"]["gates"])
     assert evidence["decision"]["decision"] == "accept"
     atomic_write_json(path, evidence)
     _rehash(run_dir)
     audit = audit_run(run_dir)
-    assert "guard.paired.reward_mean_gain.high" in _fields(audit)
+    assert "guard.reward_mean_gain" in _fields(audit)
     assert audit["decision"] == "reject"
 
 

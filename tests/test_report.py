@@ -218,14 +218,15 @@ def test_report_shows_the_configuration_completions_and_what_to_try(tmp_path):
 
 def test_the_report_states_the_gain_rule_and_the_smoke_profile_s_purpose(run_dir):
     evidence = json.loads((run_dir / "evidence.json").read_text())
+    evidence["config"]["gates"]["require_significant_gain"] = True
     page = gates_section(evidence)
-    assert "bootstrap lower bound (require_significant_gain)" in page
+    assert "one-sided paired sign-flip test rejects" in page
     assert "pipeline check" not in page  # the synthetic profile has no note
     evidence["config"]["profile"] = "smoke"
     evidence["config"]["gates"]["require_significant_gain"] = False
     page = gates_section(evidence)
     assert "<b>profile smoke</b>: a pipeline check" in page
-    assert "point estimate" in page and "require_significant_gain" not in page
+    assert "point estimate" in page and "accepts a candidate whose gain is zero" in page
 
 
 def test_report_shows_each_steps_update_tokens_and_padding(run_dir):

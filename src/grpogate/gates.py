@@ -17,7 +17,8 @@ from grpogate.errors import InputError
 
 @dataclass
 class Gates:
-    """Delivery gates (docs/design.md §6). Minimums and maximums are inclusive."""
+    """Delivery gates (docs/design.md §6). Point-estimate minimums and maximums are inclusive;
+    a gain gate under the significant rule is a strict test of "gain <= minimum"."""
 
     minimum_valid_group_ratio: float = 0.20
     # 0.5 effective trajectories/s on the 2-core CPU default; the GPU reference profile asks 1.0.
@@ -27,10 +28,11 @@ class Gates:
     minimum_pass_at_group_gain: float = 0.0
     maximum_max_length_hit_ratio: float = 0.50
     maximum_peak_allocated_bytes: float = 10 * 1024**3
-    # true (the default profile, docs/design.md §6): the reward and pass_at_group gates must be
-    # cleared by the 95 % paired bootstrap interval's lower bound, so `accept` means a gain the
-    # re-test resolves; false reads the point estimate (the reference profile's published
-    # gates, gsm8k_qwen05b.toml).
+    # true (the default profile, docs/design.md §6): the reward and pass_at_group gates pass
+    # only when a one-sided paired sign-flip test rejects "gain <= minimum" at 2.5 %
+    # (evidence/significance.py), so `accept` means a gain the re-test resolves; false reads
+    # the point estimate (the reference profile's published gates, gsm8k_qwen05b.toml), a rule
+    # that accepts a zero gain.
     require_significant_gain: bool = True
     # Optional gates: absent from an older gates table (and an older run's evidence), off, so
     # those keep their decision. Both are >= 0.
@@ -41,8 +43,8 @@ class Gates:
     # tunes a run that drifts further than any of them needed.
     maximum_retest_kl: float = 1.0
     # The guard set may lose at most this much mean reward, read as the gain rule reads the
-    # gains: the guard gain's 95 % interval UPPER bound (significant) or the point estimate,
-    # below -maximum_guard_reward_loss; 0 = any significant loss.
+    # gains: the same one-sided test, of "guard gain >= -maximum_guard_reward_loss" (significant),
+    # or the point estimate; 0 = any significant loss.
     maximum_guard_reward_loss: float = 0.0
 
 

@@ -19,7 +19,7 @@ import typer
 
 from grpogate import api
 from grpogate.cli import eval_commands, gate_commands, options
-from grpogate.cli.results import print_audit_lines, print_run_result
+from grpogate.cli.results import print_audit_lines, print_run_result, test_lines
 from grpogate.cli.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
                                    gates_table, print_json, progress_bars, quiet_libraries)
 from grpogate.config import load_config
@@ -255,6 +255,10 @@ def decide(
         console.print(gates_table({"checks": audit["checks"]}))
         if audit["checks"]:  # an unreadable evidence file has no gates to read
             console.print(plain(audit["gain_rule_line"]), soft_wrap=True)
+        for line in test_lines({"checks": audit["checks"]}):
+            console.print(line, soft_wrap=True)
+        if audit.get("no_change"):
+            console.print(f"[bold red]{plain(audit['no_change'])}[/]", soft_wrap=True)
         print_audit_lines(audit, verify_key)
         found, listed = mismatches_found(audit["mismatches"])
         if found > 50:

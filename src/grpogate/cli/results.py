@@ -32,10 +32,25 @@ def safety_lines(evidence: dict) -> list[str]:
     return lines
 
 
+def test_lines(decision: dict) -> list[str]:
+    """One line per gate that ran the paired sign-flip test: its p-value and what it saw."""
+    lines = []
+    for row in decision.get("checks") or []:
+        test = row.get("test") if isinstance(row, dict) else None
+        if isinstance(test, dict):
+            how = "exact" if test.get("exact") else (
+                f"{test.get('draws')} random flips, +/- {test.get('mc_standard_error'):.4f}")
+            lines.append(f"{plain(row['name'])} test: p = {test.get('p_value'):.4g} ({how}; "
+                         f"{test.get('differing_prompts')} of {test.get('prompts')} prompts "
+                         f"differ; mean difference {test.get('statistic'):+.4f} beyond the "
+                         f"margin {test.get('margin'):+g})")
+    return lines
+
+
 def print_run_result(evidence: dict, exit_code_from_decision: bool) -> None:
     """The gates table, the re-test line and the decision; exits with the run's code."""
     from grpogate.config import profile_note
-    from grpogate.evidence.decisions import gain_rule_line
+    from grpogate.evidence.decisions import gain_rule_line, no_change_reason
     from grpogate.interrupts import exit_code
 
     decision = evidence["decision"]
@@ -51,8 +66,10 @@ def print_run_result(evidence: dict, exit_code_from_decision: bool) -> None:
             f"{comparison['candidate']['mean_reward']:.4f}, pass@group "
             f"{comparison['baseline']['pass_at_group']:.4f} -> "
             f"{comparison['candidate']['pass_at_group']:.4f}")
-    for line in safety_lines(evidence):
+    for line in safety_lines(evidence) + test_lines(decision):
         console.print(line, soft_wrap=True)
+    if reason := no_change_reason(evidence):
+        console.print(f"[bold red]{reason}[/]", soft_wrap=True)
     dynamic = evidence["rollout"].get("dynamic_sampling") or {}
     if dynamic.get("enabled"):
         console.print(f"dynamic sampling: {dynamic['prompts_drawn']} prompts drawn, "

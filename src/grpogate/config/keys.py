@@ -92,13 +92,14 @@ KEY_HELP = {
     "gates.minimum_pass_at_group_gain": "tune unless re-test pass@k gains at least this",
     "gates.maximum_max_length_hit_ratio": "tune if more completions than this hit max_new_tokens",
     "gates.maximum_peak_allocated_bytes": "tune if peak memory exceeds this",
-    "gates.require_significant_gain": "true: gain gates read the 95 % bootstrap lower bound; false: "
-                                      "the point estimate (the reference profile's gates)",
+    "gates.require_significant_gain": "true: gain gates pass when a one-sided paired sign-flip test "
+                                      "rejects 'gain <= minimum' at 2.5 %; false: the point "
+                                      "estimate (the reference profile's gates)",
     "gates.maximum_retest_kl": "tune if the candidate's mean per-token KL to the baseline on the "
                                "re-test's fresh completions exceeds this; 0: off (still recorded)",
     "gates.maximum_guard_reward_loss": "tune if the candidate is worse on the guard set by more "
-                                       "than this (95 % upper bound below -this; 0: any "
-                                       "significant loss)",
+                                       "than this (a one-sided paired test rejects 'guard gain >= "
+                                       "-this' at 2.5 %; 0: any significant loss)",
     "guard.prompts": "guard problems both policies also answer in the re-test; 0: guard off",
     "guard.group_size": "completions per guard problem",
     "guard.task": "the guard's reasoning-gym dataset: a neighbouring task the update must not damage",

@@ -218,6 +218,7 @@ def comparison_section(eval_records: list[dict], config: dict, verifier_errors: 
         "pass_at_group_gain": candidate["pass_at_group"] - baseline["pass_at_group"],
         "eval_group_size": group_size, "eval_seed": eval_seed(config["seed"]),
         "baseline": baseline, "candidate": candidate, "paired": paired,
+        "identical_completions": metrics.identical_pairs(eval_records),
         "verifier_errors": verifier_errors,
     }
     drift = guard.drift_section(eval_records)
@@ -316,6 +317,8 @@ def assemble_evidence(facts: dict, config: dict, steps: list[dict], trajectories
 
 def decided(evidence: dict, gates: dict, total_seconds: float) -> dict:
     """The evidence with its derived coverage figures, total time and the decision added."""
+    if evidence["status"] == "ok" and decisions.no_change_reason(evidence):
+        evidence["status"] = "no_effective_update"  # the re-test shows the baseline, unchanged
     candidate = decisions.evaluate_grpo_candidate(evidence, gates)
     for key in ("effective_trajectory_count", "effective_trajectories_per_second",
                 "valid_group_ratio"):

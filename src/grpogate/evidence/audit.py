@@ -395,6 +395,7 @@ def verdict(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, Any]:
         "non_default_gates": non_default_gates(evidence),
         "gain_rule": decisions.gain_rule((evidence.get("config") or {}).get("gates")),
         "gain_rule_line": decisions.gain_rule_line((evidence.get("config") or {}).get("gates")),
+        "no_change": decisions.no_change_reason(evidence),
     }
 
 

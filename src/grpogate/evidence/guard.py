@@ -29,9 +29,9 @@ DRIFT_TRUST = ("each completion's mean per-token KL and entropy are taken as rec
                "(re-deriving them needs the model); the token-weighted means and the gate are "
                "recomputed from the records")
 GUARD_RULE = ("tune when the candidate is worse on the guard set by more than "
-              "gates.maximum_guard_reward_loss: the guard reward gain's 95 % paired bootstrap "
-              "upper bound (point estimate when gates.require_significant_gain is false) below "
-              "-maximum_guard_reward_loss")
+              "gates.maximum_guard_reward_loss: a one-sided paired sign-flip test rejects "
+              "'guard gain >= -maximum_guard_reward_loss' at p <= 0.025 (the point estimate "
+              "below -maximum_guard_reward_loss when gates.require_significant_gain is false)")
 
 
 def guard_section(config: dict, guard_records: list[dict], bootstrap: dict,
@@ -58,7 +58,8 @@ def guard_section(config: dict, guard_records: list[dict], bootstrap: dict,
     return section | {
         "reward_mean_gain": candidate["mean_reward"] - baseline["mean_reward"],
         "pass_at_group_gain": candidate["pass_at_group"] - baseline["pass_at_group"],
-        "baseline": baseline, "candidate": candidate, "paired": paired}
+        "baseline": baseline, "candidate": candidate, "paired": paired,
+        "identical_completions": metrics.identical_pairs(guard_records)}
 
 
 def _token_weighted(records: list[dict], key: str) -> tuple[float | None, int]:

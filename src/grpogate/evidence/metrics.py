@@ -169,6 +169,21 @@ def paired_bootstrap(
     }
 
 
+def identical_pairs(records: list[dict]) -> dict:
+    """{"pairs", "identical"}: how many (prompt, sample) pairs both policies answered, and in
+    how many the candidate's completion text equals the baseline's. The re-test draws both with
+    the same seeds, so a candidate that computes the baseline's function answers identically."""
+    texts: dict[tuple, dict] = {}
+    for record in records:
+        if "completion" not in record:
+            continue  # a record without its text cannot show the pair identical
+        key = (str(record["prompt_id"]), record["sample_index"])
+        texts.setdefault(key, {})[str(record["policy"])] = record["completion"]
+    paired = [pair for pair in texts.values() if {"baseline", "candidate"} <= set(pair)]
+    return {"pairs": len(paired),
+            "identical": sum(pair["baseline"] == pair["candidate"] for pair in paired)}
+
+
 def _two_sided_binomial_p(successes: int, trials: int) -> float:
     """Exact two-sided p under Binomial(trials, 0.5): min(1, 2 * P[X <= min(k, n - k)])."""
     if trials == 0:

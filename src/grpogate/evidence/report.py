@@ -18,7 +18,7 @@ from pathlib import Path
 
 from grpogate.config import profile_note
 from grpogate.errors import InputError
-from grpogate.evidence.decisions import gain_rule
+from grpogate.evidence.decisions import gain_rule, gain_rule_line, no_change_reason
 from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.evidence.report_html import _STYLE, _e, _fmt, _h2, _img, _table
 from grpogate.evidence.report_figures import paired_prompts, render_all, stage_seconds
@@ -54,6 +54,8 @@ ADVICE = {
              "fewer steps, and look at the guard completions (guard_completions.jsonl)",
     "retest_kl": "the candidate moved further from the baseline than the KL gate allows: "
                  "raise beta, lower --lr or train fewer steps",
+    "effective_update": "the candidate answers the re-test exactly as the baseline does: the "
+                        "update changed nothing measurable; raise --lr or train more steps",
     "memory": "peak memory above the gate: lower micro_batch_size or generation_batch_size",
     "artifact": "the adapter is missing or does not hash as recorded: do not deliver this "
                 "directory; run again",
@@ -65,7 +67,7 @@ def gates_section(evidence: dict) -> str:
     verdict = str(decision.get("decision", "unknown"))
     failed = ", ".join(decision.get("failed_checks") or []) or "none"
     gain_measure = gain_rule((evidence.get("config") or {}).get("gates"))
-    significant = gain_measure == "bootstrap lower bound"
+    significant = gain_measure == "paired sign-flip test"
     rows = []
     for check in decision.get("checks") or []:
         unit = "bytes" if check.get("name") == "memory" else ""
@@ -80,13 +82,15 @@ def gates_section(evidence: dict) -> str:
     purpose = f'<p class="note"><b>profile {_e(profile)}</b>: {_e(note)}</p>' if note else ""
     return (f'<p><span class="decision {_e(verdict)}">{_e(verdict.upper())}</span> '
             f"status <code>{_e(evidence.get('status'))}</code>; failed checks: {_e(failed)}</p>"
+            + (f'<p class="note"><b>{_e(reason)}</b></p>' if (reason := no_change_reason(
+                evidence)) else "")
             + purpose
             + _h2("gates", "Delivery gates")
             + _table(["check", "value", "threshold", "result", "on fail", "gain measure"], rows)
-            + '<p class="note">Minimums and maximums are inclusive. The reward and pass_at_group '
-            f"gates read the re-test gain's {_e(gain_measure)}"
-            f"{' (require_significant_gain)' if significant else ''}, scored by the "
-            "correctness verifier alone, whatever reward components the training used.</p>")
+            + '<p class="note">' + _e(gain_rule_line((evidence.get("config") or {}).get("gates")))
+            + ". The gains are scored by the correctness verifier alone, whatever reward "
+            "components the training used"
+            + ("; a test's p-value is the value of its row" if significant else "") + ".</p>")
 
 
 def advice_section(evidence: dict) -> str:
