@@ -215,3 +215,19 @@ def test_synthetic_run_hand_computed_intervals(tmp_path):
     assert audit["agrees"] is True and audit["decision"] == "tune"
     assert audit["gain_rule"] == "paired sign-flip test"
     assert audit_run(tmp_path / "plain" / "run")["gain_rule"] == "point estimate"
+
+
+def test_lora_b_all_zero_reads_the_adapter_weights(tmp_path):
+    """A LoRA with every B = 0 (either zero sign) adds B A = 0 to each weight: the baseline's
+    function exactly. One B entry of 1e-30 (not zero in float32) makes it a change."""
+    from synthetic_run import safetensors_bytes
+
+    from grpogate.files.tensors import lora_b_all_zero
+
+    cases = {"zero": ({"q.lora_A.weight": [0.5, -1.0], "q.lora_B.weight": [0.0, -0.0]}, True),
+             "tiny": ({"q.lora_A.weight": [0.5, -1.0], "q.lora_B.weight": [0.0, 1e-30]}, False),
+             "no B": ({"q.lora_A.weight": [0.0, 0.0]}, False)}
+    for name, (tensors, expected) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(safetensors_bytes(tensors))
+        assert lora_b_all_zero(path) is expected, name

@@ -50,7 +50,7 @@ def test_smoke_run_writes_consistent_evidence(smoke_run):
     assert f"decision: {manifest['decision']}" in stdout
     text = " ".join(stdout.split())  # rich wraps long lines at the terminal width
     assert "profile smoke: a pipeline check" in text  # what the profile is for, with its decision
-    assert "gain gates (reward, pass_at_group) read the 95 % paired bootstrap lower bound" in text
+    assert "gain gates (reward, pass_at_group) pass when a one-sided paired sign-flip test" in text
     assert manifest["rollback_source"]["policy_version"] == evidence["inputs"]["baseline_policy_version"]
     assert manifest["new_policy_version"] != manifest["source_policy_version"]
     for key in ("rollout_seconds", "verification_seconds", "update_seconds", "evaluation_seconds"):
@@ -77,3 +77,27 @@ def test_smoke_run_is_portable_and_quiet(smoke_run):
     assert "problems.jsonl" in manifest["files"]
     assert "Loading weights" not in stdout + stderr, stderr[-3000:]
     assert "FutureWarning" not in stdout + stderr, stderr[-3000:]
+
+
+def test_a_run_that_changes_nothing_is_rejected(tmp_path):
+    """At learning rate 1e-12 the adapter's update is far below bf16's resolution, so the
+    candidate answers the re-test exactly as the baseline does (same seeds): status
+    no_effective_update, `reject`, and the words for it in the output and in `decide`."""
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "grpogate.cli", "run", "--profile", "smoke", "--lr", "1e-12",
+         "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 4, result.stdout[-3000:] + result.stderr[-3000:]
+    evidence = json.loads((out / "evidence.json").read_text())
+    assert evidence["status"] == "no_effective_update"
+    assert evidence["decision"]["decision"] == "reject"
+    assert "effective_update" in evidence["decision"]["failed_checks"]
+    identical = evidence["comparison"]["identical_completions"]
+    assert identical["pairs"] == identical["identical"] == 32  # 8 prompts x 4 samples
+    text = " ".join(result.stdout.split())
+    assert ("the candidate's re-test completions are identical to the baseline's (32 of 32 eval "
+            "pairs, 32 of 32 guard pairs): no effective update") in text
+    decided = subprocess.run([sys.executable, "-m", "grpogate.cli", "decide", str(out)],
+                             capture_output=True, text=True, timeout=300)
+    assert decided.returncode == 0, decided.stdout[-3000:]
+    assert "identical to the baseline's" in " ".join(decided.stdout.split())

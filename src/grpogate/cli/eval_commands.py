@@ -111,7 +111,8 @@ def compare(
         print_json(result)
         return
     console.print(comparison_table(result))
-    console.print("exact tests: sign test on per-prompt mean reward, McNemar on per-prompt pass@group")
+    console.print("gain test p: one-sided paired sign-flip test of 'no gain' over prompts (exact "
+                  "McNemar for pass@group); p <= 0.025 resolves a gain")
     for warning in result["warnings"]:
         console.print(f"[yellow]warning:[/] {plain(warning)}", soft_wrap=True)
 
@@ -119,11 +120,13 @@ def compare(
 def comparison_table(result: dict) -> Table:
     paired = result["paired"]
     table = Table(title=f"paired comparison on {paired['prompt_count']} prompts (B - A)")
-    for column in ("metric", "A", "B", "gain", f"{paired['confidence']:.0%} bootstrap", "exact test p"):
+    for column in ("metric", "A", "B", "gain", f"{paired['confidence']:.0%} bootstrap",
+                   "gain test p"):
         table.add_column(column)
     a, b = result["baseline"], result["candidate"]
-    tests = {"reward_mean_gain": ("mean_reward", paired["reward_mean_gain"]["sign_test"]["p_value"]),
-             "pass_at_group_gain": ("pass_at_group", paired["pass_at_group_gain"]["mcnemar"]["p_value"])}
+    tests = {"reward_mean_gain": ("mean_reward", paired["reward_mean_gain"]["gain_test"]["p_value"]),
+             "pass_at_group_gain": ("pass_at_group",
+                                    paired["pass_at_group_gain"]["gain_test"]["p_value"])}
     for gain, (metric, p_value) in tests.items():
         interval = paired[gain]
         table.add_row(metric, f"{a[metric]:.4f}", f"{b[metric]:.4f}", f"{result[gain]:+.4f}",

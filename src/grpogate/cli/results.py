@@ -50,7 +50,8 @@ def test_lines(decision: dict) -> list[str]:
 def print_run_result(evidence: dict, exit_code_from_decision: bool) -> None:
     """The gates table, the re-test line and the decision; exits with the run's code."""
     from grpogate.config import profile_note
-    from grpogate.evidence.decisions import gain_rule_line, no_change_reason
+    from grpogate.evidence.audit_files import no_change_words
+    from grpogate.evidence.decisions import gain_rule_line
     from grpogate.interrupts import exit_code
 
     decision = evidence["decision"]
@@ -68,7 +69,7 @@ def print_run_result(evidence: dict, exit_code_from_decision: bool) -> None:
             f"{comparison['candidate']['pass_at_group']:.4f}")
     for line in safety_lines(evidence) + test_lines(decision):
         console.print(line, soft_wrap=True)
-    if reason := no_change_reason(evidence):
+    if reason := no_change_words(evidence, evidence["run_dir"]):
         console.print(f"[bold red]{reason}[/]", soft_wrap=True)
     dynamic = evidence["rollout"].get("dynamic_sampling") or {}
     if dynamic.get("enabled"):

@@ -35,7 +35,7 @@ from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, re
                                        step_summary, update_throughput)
 from grpogate.evidence.audit_bounds import BoundedAudit
 from grpogate.evidence.audit_files import (Audit, anchored_versions, check_hashes, confined,
-                                           numbered_jsonl, read_object, same_value,
+                                           no_change_words, numbered_jsonl, read_object, same_value,
                                            stored_problem_sets, unknown_fields)
 from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
 from grpogate.evidence.rescore import (RescorePlan, announce_cost, audit_reward_set, describe,
@@ -395,7 +395,7 @@ def verdict(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, Any]:
         "non_default_gates": non_default_gates(evidence),
         "gain_rule": decisions.gain_rule((evidence.get("config") or {}).get("gates")),
         "gain_rule_line": decisions.gain_rule_line((evidence.get("config") or {}).get("gates")),
-        "no_change": decisions.no_change_reason(evidence),
+        "no_change": no_change_words(evidence, run_dir),
     }
 
 

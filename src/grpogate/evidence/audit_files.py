@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from grpogate.errors import InputError
+from grpogate.evidence import decisions
 from grpogate.evidence.manifest import PROBLEMS_FILE, RUN_FILES, build_manifest, trace_ids_sha256
 from grpogate.files import (ADAPTER_WEIGHTS, MAX_FILE_BYTES, FileTooLarge, confined_file,
                             jsonl_lines, parse_json, policy_version, read_confined, refuse_larger,
                             safetensors_sha256, sha256_bytes, sha256_confined, tolerated)
-from grpogate.files.tensors import MAX_SAFETENSORS_BYTES, safetensors_size
+from grpogate.files.tensors import MAX_SAFETENSORS_BYTES, lora_b_all_zero, safetensors_size
 from grpogate.inputs.tasks import stored_sets
 
 FLOAT_TOLERANCE = 1e-9
@@ -354,3 +355,20 @@ def confined(run_dir: Path, name: str) -> Path | None:
         return confined_file(run_dir, name)
     except InputError:
         return None
+
+
+def no_change_words(evidence: Any, run_dir: str | Path) -> str | None:
+    """`decisions.no_change_reason`, and where the run's delivered adapter has all-zero LoRA B
+    matrices, that it provably computes the baseline's function. The adapter is read as any
+    run file is (inside the run directory, a regular file, bounded by its header)."""
+    reason = decisions.no_change_reason(evidence)
+    name = (evidence.get("artifact") or {}).get("path") if isinstance(evidence, dict) and \
+        isinstance(evidence.get("artifact"), dict) else None
+    if reason is None or not isinstance(name, str):
+        return reason
+    try:
+        zero = lora_b_all_zero(confined_file(run_dir, f"{name}/{ADAPTER_WEIGHTS}"))
+    except (InputError, OSError, ValueError):
+        zero = False
+    return reason + ("; the adapter's LoRA B matrices are all zero, so it computes the "
+                     "baseline's function exactly" if zero else "")

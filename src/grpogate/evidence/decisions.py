@@ -483,7 +483,7 @@ def _effective_update_row(evidence: Any) -> dict[str, Any] | None:
     if counts is None:
         return None
     differing = counts["pairs"] - counts["identical"]
-    return _row("effective_update", differing, "> 0 re-test completions differ",
+    return _row("effective_update", differing, "> 0 pairs differ",
                 differing > 0, "reject")
 
 

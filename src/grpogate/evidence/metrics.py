@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from grpogate.evidence.significance import sign_flip_test
+
 SUCCESS_REWARD = 1.0  # a completion "passes" when its verifier reward reaches this value
 
 _EVAL_FIELDS = ("prompt_id", "completion_tokens", "hit_max_length", "reward")
@@ -262,9 +264,12 @@ def paired_comparison(
     passed_deltas = [float(candidate[i]["passed"]) - float(baseline[i]["passed"]) for i in prompt_ids]
     return {
         "prompt_count": len(prompt_ids),
-        "reward_mean_gain": {**interval(reward_deltas), "sign_test": sign_test(reward_deltas)},
+        # gain_test: the one-sided paired sign-flip test of "no gain" (evidence/significance.py),
+        # the test the gain gates run at their margin.
+        "reward_mean_gain": {**interval(reward_deltas), "sign_test": sign_test(reward_deltas),
+                             "gain_test": sign_flip_test(reward_deltas, seed=seed)},
         "pass_at_group_gain": {
-            **interval(passed_deltas),
+            **interval(passed_deltas), "gain_test": sign_flip_test(passed_deltas, seed=seed),
             "mcnemar": mcnemar_exact(
                 [baseline[i]["passed"] for i in prompt_ids],
                 [candidate[i]["passed"] for i in prompt_ids],

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import stat
 from pathlib import Path
+
+import numpy as np
 
 from grpogate.errors import InputError
 from grpogate.files.bounds import FileTooLarge, refuse_larger
@@ -175,6 +178,23 @@ def safetensors_sha256(path: str | Path) -> str:
             (name, SAFETENSORS_DTYPES[dtype][0], shape, _blocks(stream, path, start + begin,
                                                                 start + end))
             for name, (dtype, shape, begin, end) in tensors.items())
+
+
+def lora_b_all_zero(path: str | Path) -> bool:
+    """Whether a LoRA adapter's weights file has at least one `lora_B` tensor and every one is
+    zero (+0 or -0, any IEEE float width): then W + B A = W, and the adapter computes its base
+    model's function exactly. Bounded by the header like `read_safetensors`."""
+    tensors = [entry for name, entry in read_safetensors(path).items() if "lora_B" in name]
+    for _, shape, data in tensors:
+        elements = math.prod(shape)
+        width = len(data) // elements if elements else 0
+        if width not in (2, 4, 8) or width * elements != len(data):
+            return False  # not a float tensor grpogate can read as one
+        # Little-endian words with the sign bit cleared: zero exactly when the value is +-0.
+        words = np.frombuffer(data, dtype=f"<u{width}")
+        if np.any(words & np.array((1 << (8 * width - 1)) - 1, dtype=f"<u{width}")):
+            return False
+    return bool(tensors)
 
 
 def policy_version(base_sha256: str, adapter_sha256: str | None) -> str:
