@@ -1,79 +1,35 @@
 """Native kernels for the lean decoder's decode step, the sampler's draw, the update's log-prob
 head and the re-test drift's KL: built once per machine, optional.
 
-`native_kernels()` compiles native_kernels.cpp with the system C++ compiler the first time it
-is asked on a machine (about 3 s), keeps the shared library in the cache directory
-(`$GRPOGATE_CACHE`, else ~/.cache/grpogate, under native/) keyed by the source, the compiler
-and the CPU's flags, and loads it through ctypes. Where there is no compiler, the build fails,
-the dtype is neither bfloat16 nor float32, or `GRPOGATE_NATIVE=0` is set, it returns None and
-the decoder runs its torch operations instead (decoding.LeanStepper records which ran: `lean`
-or `lean-native`), and so do the update's log-prob head (training.logprobs), the sampler's
-draw (sampling.rollout) and the drift's KL (sampling.drift). The library holds only our own
-source; nothing a run directory names is ever built or loaded here.
+`native_kernels()` loads the library that native_build.py compiles from native_kernels.cpp
+with the system C++ compiler the first time a machine needs it, in the configured cache
+directory under native/, hashed after the build and before every load. Where there is no
+compiler, the build fails, the cache directory is one other users can write, the dtype is
+neither bfloat16 nor float32, or `GRPOGATE_NATIVE=0` is set, it returns None and the decoder
+runs its torch operations instead (decoding.LeanStepper records which ran: `lean` or
+`lean-native`), and so do the update's log-prob head (training.logprobs), the sampler's draw
+(sampling.rollout) and the drift's KL (sampling.drift). A build that fails or is refused is
+said once on the terminal, and the evidence's `environment.native_kernels` records
+{built, reason, identity}. The library holds only our own source; nothing a run directory
+names is ever built or loaded here.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
+import sys
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from grpogate.inputs.policy import cache_root
+from grpogate.inputs.cache_dir import configured_cache_root
+from grpogate.sampling.native_build import build_library
 
-SOURCE = Path(__file__).with_name("native_kernels.cpp")
-# -fno-trapping-math: without it GCC keeps exp_f32's selects as branches and leaves the
-# exponent loops scalar (native_kernels.cpp's header); no value changes.
-FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 MAX_GROUP = 8  # query heads per KV head the attention kernel is built for (native_kernels.cpp)
 _VOID, _LONG, _FLOAT, _INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (-march=native builds for them), or the platform's name."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _build() -> Path | None:
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        return None
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS),
-                                    _cpu_flags()]).encode()).hexdigest()[:24]
-    target = cache_root() / "native" / f"kernels-{key}.so"
-    if target.is_file():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)],
-                                  capture_output=True, timeout=300)
-            if done.returncode != 0 or not built.is_file():
-                return None
-            os.replace(built, target)  # atomic: a concurrent build finds a whole file or none
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return target
 
 
 class NativeKernels:
@@ -238,31 +194,55 @@ class NativeKernels:
         return heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP and head_dim % 16 == 0
 
 
-@lru_cache(maxsize=1)
-def _load() -> NativeKernels | None:
-    path = _build()
-    if path is None:
-        return None
-    try:
-        return NativeKernels(ctypes.CDLL(str(path)), path.stem)
-    except (OSError, AttributeError):
-        return None
+VERIFIED = "sha256 verified against its record before loading"
+
+
+@lru_cache(maxsize=4)
+def _load(root: Path) -> tuple[NativeKernels | None, dict]:
+    """The kernels built under `root` and the evidence's account of them; a library that does
+    not build, is refused or does not load is said once on the terminal."""
+    fd, path, problem = build_library(root)
+    if fd is not None:
+        # Loaded through the descriptor that was hashed: the bytes checked are the bytes mapped.
+        via = f"/proc/self/fd/{fd}" if Path("/proc/self/fd").is_dir() else str(path)
+        try:
+            kernels = NativeKernels(ctypes.CDLL(via), path.stem)
+            return kernels, {"built": True, "reason": VERIFIED, "identity": path.stem}
+        except (OSError, AttributeError) as error:
+            problem = f"{path} does not load ({error})"
+        finally:
+            os.close(fd)
+    print(f"grpogate: native kernels not used: {problem}; the torch operations run instead",
+          file=sys.stderr)
+    return None, {"built": False, "reason": problem, "identity": "none"}
+
+
+def _skipped(dtype: torch.dtype, device: torch.device) -> str:
+    """Why the kernels do not apply to tensors of `dtype` on `device` ("" where they do)."""
+    if os.environ.get("GRPOGATE_NATIVE", "1") == "0":
+        return "GRPOGATE_NATIVE=0"
+    if torch.device(device).type != "cpu":
+        return f"device {torch.device(device).type}: the kernels are for the CPU"
+    if dtype not in DTYPES:
+        return f"{str(dtype).removeprefix('torch.')}: the kernels are for bfloat16 and float32"
+    return ""
 
 
 def native_kernels(dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
     """The kernels for tensors of `dtype` on `device`, or None where they do not apply."""
-    if os.environ.get("GRPOGATE_NATIVE", "1") == "0":
+    if _skipped(dtype, device):
         return None
-    if torch.device(device).type != "cpu" or dtype not in DTYPES:
-        return None
-    return _load()
+    return _load(configured_cache_root())[0]
 
 
-def kernels_identity(dtype: torch.dtype, device: torch.device) -> str:
-    """What the evidence's environment records: the build this process's lean decode step
-    (where it covers the model) and update log-prob head use (its key: source, compiler, CPU
-    flags), or "none". A replay elsewhere compares it: another build may round differently,
-    so bit-identical samples are not promised across two. Which step decoded is each step's
-    own `decode_path`."""
-    kernels = native_kernels(dtype, device)
-    return "none" if kernels is None else kernels.identity
+def kernels_identity(dtype: torch.dtype, device: torch.device) -> dict:
+    """What the evidence's environment records: {"built", "reason", "identity"}: whether this
+    process's lean decode step (where it covers the model) and update log-prob head use a
+    native build, why or why not, and the build's name (its key: source, compiler, flags,
+    CPU identity) or "none". A replay elsewhere compares it: another build may round
+    differently, so bit-identical samples are not promised across two. Which step decoded is
+    each step's own `decode_path`."""
+    skipped = _skipped(dtype, device)
+    if skipped:
+        return {"built": False, "reason": skipped, "identity": "none"}
+    return dict(_load(configured_cache_root())[1])
