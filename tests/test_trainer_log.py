@@ -15,9 +15,7 @@ from grpogate.config import Gates
 from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.trainer_log import log_steps, rollout_from_log, update_from_log
-from grpogate.inputs.training_prompts import read_train_data
 from grpogate.inputs.trl_output import read_trl_output, trl_settings
-from grpogate.inputs.tasks import prompt_id
 
 GATES = vars(Gates())
 
@@ -184,16 +182,3 @@ def test_malformed_directories_are_refused(tmp_path, damage, message):
         (out / "adapter_model.bin").write_bytes(b"\x80\x04.")
     with pytest.raises(InputError, match=message):
         read_trl_output(out)
-
-
-def test_train_data_reads_trl_rows_by_prompt_id(tmp_path):
-    data = tmp_path / "train.jsonl"
-    rows = [{"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "1+2?"}],
-             "reference": "3"}, {"prompt": "2+2?"}, {"question": "1+2?"}]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    problems = read_train_data(str(data))
-    assert [p.prompt_id for p in problems] == [prompt_id("1+2?"), prompt_id("2+2?")]  # once each
-    assert problems[0].reference == "3"
-    data.write_text('{"text": "x"}\n')
-    with pytest.raises(InputError, match=r"train.jsonl:1: needs a \"prompt\""):
-        read_train_data(str(data))

@@ -124,7 +124,9 @@ def test_a_trl_run_is_gated_audited_replayed_and_reported(trl_run, tiny_model_di
     assert rollout["valid_group_count"] == sum(max(g) > min(g) for g in groups)
     assert evidence["update"]["update_count"] == 2
     assert rollout["seconds_source"] == "train_runtime"
-    assert evidence["foreign"]["admission"]["isolation"] == {
+    isolation = evidence["foreign"]["admission"]["isolation"]
+    assert {key: isolation[key] for key in ("checked", "train_prompts", "shared_prompts",
+                                            "source")} == {
         "checked": True, "train_prompts": 4, "shared_prompts": 0, "source": "--train-data"}
     assert evidence["artifact"]["sha256"] == sha256(out / "adapter_model.safetensors")
     manifest = json.loads((run_dir / "manifest.json").read_text())

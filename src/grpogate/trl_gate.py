@@ -4,7 +4,8 @@ A TRL `GRPOTrainer` output directory holds a PEFT adapter and the trainer's log,
 trajectories. The stages, each one call, in order: read the directory as data (no pickle is
 ever opened: inputs/trl_output.py) and the log's arithmetic (evidence/trainer_log.py);
 admission (the adapter's base model must be the named baseline's, the verifier is fixed by
-name and version, the eval prompts must be disjoint from the training prompts the user names);
+name and version, no eval prompt may appear inside a text the trainer trained on, as the user
+names them: inputs/training_prompts.py);
 load the baseline and put the foreign adapter in the candidate's place; the pipeline's own
 re-test (same seeds, same prompts, paired); assemble the evidence and write the run directory
 with the pipeline's own writer (problems, re-test records, evidence, the manifest last, the
@@ -29,10 +30,10 @@ from grpogate.evidence.trainer_log import SOURCE_NOTE, assemble_foreign_evidence
 from grpogate.files import (ADAPTER_WEIGHTS, RunDirLock, atomic_directory, atomic_write_bytes,
                             create_run_dir, policy_version, refuse_existing_output,
                             refuse_output_inside_a_run, safetensors_sha256, sha256_path)
-from grpogate.inputs import tasks
+from grpogate.inputs import isolation, tasks
 from grpogate.inputs.candidate import attach_candidate
-from grpogate.inputs.policy import (BaseModelSource, check_adapter_dir, load_policy,
-                                    resolve_base_model)
+from grpogate.inputs.policy import (BaseModelSource, check_adapter_dir, default_cache_dir,
+                                    load_policy, resolve_base_model)
 from grpogate.inputs.trl_output import (ADAPTER_CONFIG, TrlOutput, read_settings_file,
                                         read_trl_output, trl_settings)
 from grpogate.inputs.verifiers import get_verifier
@@ -42,7 +43,7 @@ from grpogate.delivery import peak_memory, run_environment, write_run_files
 from grpogate.pipeline import NullReporter
 from grpogate.sampling.retest import retest_both
 from grpogate.sampling.rollout import encode_prompts
-from grpogate.inputs.training_prompts import training_problems
+from grpogate.inputs.training_prompts import checked_isolation, training_problems
 
 
 @dataclass
@@ -52,7 +53,7 @@ class GateRequest:
     trl_dir: str
     trl_args: str = ""  # JSON/TOML file of the run's GRPOConfig fields
     num_generations: int | None = None
-    train_data: str = ""  # the training dataset file (JSONL rows with a prompt or question)
+    train_data: str = ""  # the training dataset file (JSONL rows with TRL's "prompt" column)
     train_from_config: bool = False  # the training prompts are the config's own train split
 
 
@@ -77,13 +78,37 @@ def baseline_identity(named: str, base: BaseModelSource) -> dict:
     return result
 
 
-def _isolation(train: list | None, eval_set: list, source: str) -> dict:
-    if train is None:
-        return {"checked": False, "train_prompts": 0, "shared_prompts": None,
-                "note": "isolation not checked: the training prompts were not given "
-                        "(--train-data FILE or --train-from-config)"}
-    tasks.check_isolation(train, eval_set)  # an overlap is bad input, as for a grpogate run
-    return {"checked": True, "train_prompts": len(train), "shared_prompts": 0, "source": source}
+def chat_renderer(config: RunConfig):
+    """Chat messages -> the text TRL's GRPOTrainer trains on (trl 1.16,
+    `GRPOTrainer._tokenize_prompts`: the processing class's `apply_chat_template` with
+    `add_generation_prompt=True`), rendered with the baseline's tokenizer: the adapter's base
+    model's, which admission requires. The tokenizer loads on the first conversational row (no
+    code the model names runs: trust_remote_code=False); a template that fails on a row refuses
+    that row, since the text it trains on is then unknown."""
+    tokenizer = None
+
+    def render(messages: list, where: str) -> str:
+        nonlocal tokenizer
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            base = resolve_base_model(config.model, config.model_revision,
+                                      default_cache_dir(config))
+            options = {"revision": base.revision} if base.revision else {}
+            tokenizer = AutoTokenizer.from_pretrained(base.load_dir, trust_remote_code=False,
+                                                      **options)
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=False)
+        except Exception as error:  # a Jinja template raises whatever its code raises
+            raise InputError(f"{where}: the baseline's chat template cannot render this row "
+                             f"({type(error).__name__}: {str(error)[:160]}); the text TRL "
+                             "trains on cannot be determined") from None
+        if not isinstance(text, str):
+            raise InputError(f"{where}: the chat template rendered no text")
+        return text
+
+    return render
 
 
 @dataclass
@@ -99,6 +124,7 @@ class Admitted:
     train: list | None
     train_identity: dict
     isolation: dict
+    searched: list  # the (row, text) pairs the isolation check searched
 
 
 def admit(config: RunConfig, request: GateRequest) -> Admitted:
@@ -121,11 +147,15 @@ def admit(config: RunConfig, request: GateRequest) -> Admitted:
     except ValueError as error:
         raise InputError(f"verifier: {error}") from None
     eval_set, eval_identity = tasks.load_eval_set(config.task, config.eval_prompts)
-    train, train_identity, source = training_problems(config, request.train_data,
-                                                      request.train_from_config)
-    isolation = _isolation(train, eval_set, source)
+    train, train_identity, source, searched = training_problems(
+        config, request.train_data, request.train_from_config, chat_renderer(config))
+    isolated = checked_isolation(train, searched, eval_set, source)
     return Admitted(config, found, settings, where, run_dir, verifier, eval_set, eval_identity,
-                    train, train_identity, isolation)
+                    train, train_identity, isolated, searched)
+
+
+def source_of(admitted: Admitted) -> str:
+    return str(admitted.isolation.get("source", ""))
 
 
 def _guard(admitted: Admitted) -> tuple[list, dict, object]:
@@ -134,6 +164,10 @@ def _guard(admitted: Admitted) -> tuple[list, dict, object]:
     config = admitted.config
     guard_set, identity = tasks.load_guard_set(config.guard, admitted.train or [],
                                                admitted.eval_set)
+    # Drawn skipping equal prompt ids; a guard prompt inside a training text is seen as well.
+    seen = isolation.shared_prompts(admitted.searched, guard_set)
+    if seen:
+        raise InputError(isolation.describe(seen, source_of(admitted), "guard"))
     try:
         verifier = get_verifier(config.guard.verifier()) if guard_set else None
     except ValueError as error:

@@ -31,8 +31,9 @@ def gate_command(print_result: Callable[[dict, bool], None]):
             None, "--num-generations", metavar="G", min=1,
             help="TRL's num_generations (G), unless --trl-args gives it."),
         train_data: str = typer.Option("", "--train-data", metavar="FILE", help="The training "
-                                       "dataset (JSONL rows with prompt or question): the eval "
-                                       "prompts must be disjoint from it."),
+                                       "dataset as TRL took it (JSONL rows with a \"prompt\" "
+                                       "string or chat messages): no eval prompt may appear "
+                                       "inside a row's prompt."),
         train_from_config: bool = typer.Option(
             False, "--train-from-config", help="The run trained on the config's own train split."),
         profile: str = typer.Option("default", metavar="NAME", help="Packaged profile for the "
