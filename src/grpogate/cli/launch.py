@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 
 from grpogate.errors import command, plain
+from grpogate.files import file_mode, write_in_run_dir
 from grpogate.cli.terminal import console
 
 FAILURE_LOG = "torchrun-failure.log"
@@ -101,10 +102,11 @@ def _keep_log(logs: Path, run_dir: Path) -> Path:
     directory when it exists, else in the temporary log folder."""
     parts = sorted(logs.rglob("stderr.log")) + [logs / "agent.log"]
     target = run_dir / FAILURE_LOG if run_dir.is_dir() else logs / FAILURE_LOG
-    with open(target, "w", encoding="utf-8") as out:
-        for part in parts:
-            out.write(f"==> {part.relative_to(logs)} <==\n")
-            out.write(part.read_text(encoding="utf-8", errors="replace"))
+    text = "".join(f"==> {part.relative_to(logs)} <==\n"
+                   + part.read_text(encoding="utf-8", errors="replace") for part in parts)
+    # Replaced atomically, no link followed (files/confine.py): a FAILURE_LOG symlink planted in
+    # the run directory is replaced, its target untouched.
+    write_in_run_dir(target.parent, target.name, text.encode("utf-8"), file_mode())
     if run_dir.is_dir():
         shutil.rmtree(logs, ignore_errors=True)
     return target

@@ -22,7 +22,7 @@ from pathlib import Path
 from grpogate.config import RunConfig
 from grpogate.distributed import World
 from grpogate.errors import InputError
-from grpogate.files import atomic_write_json, parse_json
+from grpogate.files import atomic_write_json, parse_json, read_confined
 from grpogate.training.checkpoint import CHECKPOINTS, latest_checkpoint
 
 JOB_FILE = "torchrun-job.json"
@@ -54,7 +54,7 @@ def mark_job(run_dir: Path, world: World) -> None:
 
 def _ours(run_dir: Path, world: World) -> bool:
     try:
-        marker = parse_json((run_dir / CHECKPOINTS / JOB_FILE).read_text(encoding="utf-8"),
+        marker = parse_json(read_confined(run_dir, f"{CHECKPOINTS}/{JOB_FILE}").decode("utf-8"),
                             JOB_FILE)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, InputError):
         return False

@@ -21,12 +21,14 @@ import secrets
 import shutil
 import stat
 import sys
-import tempfile
 from pathlib import Path
 
 from grpogate.errors import InputError
 from grpogate.files.bounds import (  # noqa: F401  (the files API: bounds.py)
     MAX_FILE_BYTES, MAX_JSONL_LINES, FileTooLarge, descriptor_size, refuse_larger, tolerated)
+from grpogate.files.confine import (  # noqa: F401  (the files API: confine.py)
+    confined_file, confined_path, open_in_run_dir, read_confined, run_folder, sha256_confined,
+    write_in_run_dir)
 from grpogate.files.tensors import (  # noqa: F401  (the files API: tensors.py)
     policy_version, read_safetensors, safetensors_names, safetensors_sha256, tensors_digest)
 
@@ -55,21 +57,12 @@ def file_mode() -> int:
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Replace `path` by `data` atomically (confine.write_in_run_dir with the file's folder as
+    the run directory: no symlink or FIFO at the temporary name is ever written through). The
+    file gets the mode any other new file would (the user's umask decides): a run directory is
+    meant to be shared and re-checked."""
     path = Path(path)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        # mkstemp creates 0600; a run directory is meant to be shared and re-checked, so the
-        # file gets the mode any other new file would (the user's umask decides).
-        os.fchmod(handle, file_mode())
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    fsync_directory(path.parent)
+    write_in_run_dir(path.parent, path.name, data, file_mode())
 
 
 def fsync_directory(path: str | Path) -> None:
@@ -81,13 +74,20 @@ def fsync_directory(path: str | Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | Path):
+def atomic_directory(path: str | Path, root: str | Path | None = None):
     """Yield a staging directory beside `path`; on success fsync its files and rename it to
-    `path` (replacing a copy a killed attempt left there), so `path` is never half-written."""
+    `path` (replacing a copy a killed attempt left there), so `path` is never half-written.
+
+    `root` (default: `path`'s folder) is the run directory: the folders from it down to `path`
+    are opened as confine.run_folder opens them (made when missing, a symlinked one refused),
+    and a symlink or file planted at `path` is unlinked, its target untouched."""
     path = Path(path)
+    root = Path(root) if root is not None else path.parent
+    folder = run_folder(root, os.path.relpath(path.parent, root) if path.parent != root else "",
+                        create=True)
     staging = path.parent / f".{path.name}.{secrets.token_hex(6)}"
-    staging.mkdir(mode=0o777)  # mkdtemp would make it 0700; this honours the umask like mkdir
     try:
+        os.mkdir(staging.name, 0o777, dir_fd=folder)  # the umask decides, as for mkdir
         yield staging
         for file in staging.iterdir():
             with open(file, "rb") as stream:
@@ -95,13 +95,18 @@ def atomic_directory(path: str | Path):
                 os.fchmod(stream.fileno(), file_mode())
                 os.fsync(stream.fileno())
         fsync_directory(staging)
-        if path.exists():
-            shutil.rmtree(path)
-        staging.rename(path)
-        fsync_directory(path.parent)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.lstat(path.name, dir_fd=folder).st_mode):
+                shutil.rmtree(path)  # never follows a link inside
+            else:
+                os.unlink(path.name, dir_fd=folder)
+        os.rename(staging.name, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+        os.fsync(folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        os.close(folder)
 
 
 def remove_staging(directory: str | Path) -> None:
@@ -109,7 +114,7 @@ def remove_staging(directory: str | Path) -> None:
     for leftover in Path(directory).glob(".*"):
         if leftover.name == LOCK_FILE:
             continue  # held by this very process
-        if leftover.is_dir():
+        if leftover.is_dir() and not leftover.is_symlink():  # a link is unlinked, not followed
             shutil.rmtree(leftover, ignore_errors=True)
         else:
             leftover.unlink(missing_ok=True)
@@ -137,22 +142,28 @@ class JsonlLog:
 
     def __init__(self, path: Path, *, existing: bool = False):
         self.path = path
-        if not existing:
-            self.path.touch(exist_ok=False)
+        if not existing:  # created here, never reused: a file already there is refused
+            os.close(open_in_run_dir(path.parent, path.name, "x"))
+
+    def _open(self, mode: str):
+        # Through confine.open_in_run_dir: a symlink, FIFO or device planted under the log's
+        # name is refused, never truncated or appended to.
+        return os.fdopen(open_in_run_dir(self.path.parent, self.path.name, mode),
+                         "ab" if mode == "a" else "r+b")
 
     def append(self, records: list[dict]) -> int:
-        with open(self.path, "ab") as stream:
+        with self._open("a") as stream:
             stream.write(jsonl_bytes(records))
             stream.flush()
             os.fsync(stream.fileno())
             return stream.tell()
 
     def truncate(self, offset: int) -> None:
-        size = self.path.stat().st_size
-        if size < offset:
-            raise InputError(f"{self.path}: {size} bytes, shorter than the recorded offset "
-                             f"{offset}; the file was modified after the checkpoint")
-        with open(self.path, "r+b") as stream:
+        with self._open("r+") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            if size < offset:
+                raise InputError(f"{self.path}: {size} bytes, shorter than the recorded offset "
+                                 f"{offset}; the file was modified after the checkpoint")
             stream.truncate(offset)
             stream.flush()
             os.fsync(stream.fileno())
@@ -302,7 +313,9 @@ class RunDirLock:
 
     def acquire(self) -> "RunDirLock":
         while True:
-            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            # No-follow, non-blocking, a regular file only (confine.open_in_run_dir): a
+            # symlink planted under the lock's name is refused, its target never written.
+            descriptor = open_in_run_dir(self.path.parent, LOCK_FILE, "c")
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as error:
@@ -365,60 +378,6 @@ def create_run_dir(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.mkdir()
     return path
-
-
-# --- reading a run directory someone else wrote ------------------------------------------------
-
-def confined_file(root: str | Path, name: str) -> Path:
-    """`root/name` resolved, when it is a regular file inside `root` (a symlink may point
-    within the run directory, never out of it); InputError naming `name` and why otherwise.
-    Checked with stat before anything opens it: a FIFO, a device or a folder is refused, never
-    read (opening a FIFO would block forever)."""
-    base = Path(root).resolve()
-    if not isinstance(name, str) or not name or Path(name).is_absolute():
-        raise InputError(f"{name!r}: not a relative path inside the run directory")
-    path = (base / name).resolve()
-    if not path.is_relative_to(base):
-        raise InputError(f"{name}: escapes the run directory")
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        raise InputError(f"{name}: missing") from None
-    if not stat.S_ISREG(mode):
-        raise InputError(f"{name}: not a regular file (a folder, FIFO, socket or device)")
-    return path
-
-
-@contextlib.contextmanager
-def _open_confined(root: str | Path, name: str, limit: int, what: str):
-    """(stream, size) of `confined_file(root, name)` opened without blocking and checked again
-    on the open descriptor (a file swapped for a FIFO after the check is refused, not waited
-    on), its size within `limit` (FileTooLarge, naming root/name and `what`)."""
-    path = confined_file(root, name)
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    with os.fdopen(descriptor, "rb") as stream:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise InputError(f"{name}: not a regular file (a folder, FIFO, socket or device)")
-        yield stream, descriptor_size(descriptor, os.path.join(root, name), limit, what)
-
-
-def read_confined(root: str | Path, name: str) -> bytes:
-    """The bytes of `confined_file(root, name)`, read as `_open_confined` opens it: its size
-    then, at most MAX_FILE_BYTES (a file growing while read is read no further)."""
-    what = "a run file grpogate parses"
-    with _open_confined(root, name, MAX_FILE_BYTES, what) as (stream, size):
-        return stream.read(size)
-
-
-def sha256_confined(root: str | Path, name: str, limit: int = MAX_FILE_BYTES) -> str:
-    """The sha256 of `confined_file(root, name)`, streamed as `_open_confined` opens it (its
-    size then, at most `limit`)."""
-    digest = hashlib.sha256()
-    with _open_confined(root, name, limit, "a run file grpogate hashes") as (stream, size):
-        while size > 0 and (block := stream.read(min(1 << 22, size))):
-            digest.update(block)
-            size -= len(block)
-    return digest.hexdigest()
 
 
 # str.splitlines()'s line boundaries, as UTF-8: counted in the bytes at C speed ("\r\n" twice:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpogate.errors import InputError
-from grpogate.files import ADAPTER_WEIGHTS, parse_json, read_confined, read_safetensors
+from grpogate.files import (ADAPTER_WEIGHTS, confined_path, parse_json, read_confined,
+                            read_safetensors)
 
 TRAINER_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -31,6 +32,7 @@ PICKLES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth",
 FULL_WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json")
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 MAX_JSON_BYTES = 64 * 1024 * 1024  # a log of 100,000 steps is about 100 MB less than this
+WITHIN = "the TRL output directory"
 
 
 @dataclass
@@ -49,13 +51,16 @@ class TrlOutput:
         return str(self.adapter_config.get("base_model_name_or_path") or "")
 
 
-def read_json_file(path: Path) -> object:
-    """A JSON document (bounded in size); InputError naming the file, line and column."""
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise InputError(f"{path}: {path.stat().st_size} bytes, more than the {MAX_JSON_BYTES} "
-                         "a trainer's JSON file is allowed here")
+def read_json_file(path: Path, root: Path | None = None) -> object:
+    """A JSON document read through the confinement rule (files/confine.py) of `root` (the TRL
+    output directory; default the file's own folder): inside it once resolved, a regular file,
+    at most MAX_JSON_BYTES, checked before a byte is read. InputError naming the file, line
+    and column."""
+    root = root or path.parent
     try:  # parse_json: depth bound, duplicate keys and lone surrogates refused, as for a run
-        return parse_json(read_confined(path.parent, path.name).decode("utf-8"), str(path))
+        data = read_confined(root, str(path.relative_to(root)), MAX_JSON_BYTES,
+                             "a trainer's JSON file")
+        return parse_json(data.decode("utf-8"), str(path))
     except UnicodeDecodeError as error:
         raise InputError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
     except json.JSONDecodeError as error:
@@ -64,9 +69,15 @@ def read_json_file(path: Path) -> object:
 
 
 def _newest_checkpoint(directory: Path) -> Path | None:
+    """The highest checkpoint-N/ folder, held to the confinement rule: one that leads out of
+    the TRL directory (a symlink to another folder) is refused, not followed."""
     numbered = [(int(m.group(1)), p) for p in directory.iterdir()
                 if p.is_dir() and (m := CHECKPOINT.fullmatch(p.name))]
-    return max(numbered)[1] if numbered else None
+    if not numbered:
+        return None
+    newest = max(numbered)[1]
+    confined_path(directory, newest.name, directory=True, within=WITHIN)
+    return newest
 
 
 def _refuse_without_adapter(directory: Path, looked_in: list[Path]) -> None:
@@ -94,13 +105,15 @@ def _adapter_dir(directory: Path) -> Path:
     raise AssertionError("unreachable")
 
 
-def _read_adapter(adapter_dir: Path) -> dict:
+def _read_adapter(directory: Path, adapter_dir: Path) -> dict:
     weights = adapter_dir / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise InputError(f"{adapter_dir}: no {ADAPTER_WEIGHTS} (adapters load only from "
                          "safetensors; adapter_model.bin is a pickle and is never loaded)")
-    read_safetensors(weights)  # an empty or truncated file is bad input, here
-    config = read_json_file(adapter_dir / ADAPTER_CONFIG)
+    # The weights as the confinement rule admits them (a link out of the directory refused);
+    # an empty or truncated file is bad input, here.
+    read_safetensors(confined_path(directory, str(weights.relative_to(directory)), within=WITHIN))
+    config = read_json_file(adapter_dir / ADAPTER_CONFIG, directory)
     if not isinstance(config, dict):
         raise InputError(f"{adapter_dir / ADAPTER_CONFIG}: not a JSON object")
     if config.get("peft_type") not in (None, "LORA"):
@@ -141,9 +154,9 @@ def read_trl_output(path: str | Path) -> TrlOutput:
     if not directory.is_dir():
         raise InputError(f"{path}: no such directory (a TRL output_dir)")
     adapter_dir = _adapter_dir(directory)
-    adapter_config = _read_adapter(adapter_dir)
+    adapter_config = _read_adapter(directory, adapter_dir)
     state_file = _trainer_state_file(directory, adapter_dir)
-    state = _check_trainer_state(state_file, read_json_file(state_file))
+    state = _check_trainer_state(state_file, read_json_file(state_file, directory))
     pickles = sorted({str(p.relative_to(directory)) for place in (directory, adapter_dir)
                       for p in place.iterdir() if p.name in PICKLES})
     return TrlOutput(directory, adapter_dir, adapter_config, state_file, state, pickles)

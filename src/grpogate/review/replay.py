@@ -26,7 +26,7 @@ from grpogate.config import BUNDLED_MODEL, resume_config
 from grpogate.errors import InputError, first_line
 from grpogate.evidence.assemble import library_versions
 from grpogate.evidence.audit import reload_problem_sets
-from grpogate.files import ADAPTER_WEIGHTS, lies_inside, parse_json, read_jsonl
+from grpogate.files import ADAPTER_WEIGHTS, lies_inside, parse_json, read_confined, read_jsonl
 from grpogate.inputs.policy import (TRAINABLE, current_version, load_adapter_state, load_policy)
 from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import StopRequest
@@ -54,7 +54,7 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
     "mismatches"}; mismatches (same shape as the audit's) only when the environment matches."""
     run_dir = Path(run_dir)
     try:
-        evidence = parse_json((run_dir / "evidence.json").read_text(encoding="utf-8"),
+        evidence = parse_json(read_confined(run_dir, "evidence.json").decode("utf-8"),
                               f"{run_dir}/evidence.json")
         evidence["config"], evidence["inputs"], evidence["artifact"]  # noqa: B018 (present?)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:

@@ -13,10 +13,13 @@ changed afterwards fails the verification, which is the point.
 
 from __future__ import annotations
 
+import os
+import stat
+import tempfile
 from pathlib import Path
 
 from grpogate.errors import InputError
-from grpogate.files import LOCK_FILE, RunDirLock
+from grpogate.files import LOCK_FILE, RunDirLock, file_mode, write_in_run_dir
 
 SIGNATURE_FILE = "run.sig"
 
@@ -72,13 +75,22 @@ def sign_run(run_dir: str | Path, private_key: str | Path) -> Path:
         raise InputError(f"{private_key}: no such private key file")
     hashing, signing, _ = _library()
     _elliptic_key(private_key, private=True)
-    with RunDirLock(run_dir):
+    signature = run_dir / SIGNATURE_FILE
+    if os.path.lexists(signature) and not stat.S_ISREG(os.lstat(signature).st_mode):
+        raise InputError(f"{signature}: a symbolic link, FIFO or device, not a signature "
+                         "grpogate wrote; grpogate writes nothing through it (remove it first)")
+    # The library writes the bundle wherever it is told, following a symlink planted at
+    # run.sig: it writes into a private temporary folder, and the bytes reach the run directory
+    # through write_in_run_dir (no link followed).
+    with RunDirLock(run_dir), tempfile.TemporaryDirectory(prefix="grpogate-sign-") as scratch:
         try:
             (signing.Config().set_hashing_config(_hashing_config(hashing, run_dir))
              .use_elliptic_key_signer(private_key=private_key)
-             .sign(run_dir, run_dir / SIGNATURE_FILE))
+             .sign(run_dir, Path(scratch) / SIGNATURE_FILE))
         except ValueError as error:  # not a PEM private key, wrong curve
             raise InputError(f"{private_key}: cannot sign with this key ({error})") from None
+        write_in_run_dir(run_dir, SIGNATURE_FILE, (Path(scratch) / SIGNATURE_FILE).read_bytes(),
+                         file_mode())
     return run_dir / SIGNATURE_FILE
 
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import random
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,8 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from grpogate.errors import InputError
-from grpogate.files import atomic_directory, parse_json, sha256_bytes, sha256_path, to_json
+from grpogate.files import (MAX_FILE_BYTES, atomic_directory, confined_path, parse_json,
+                            read_confined, sha256_bytes, sha256_confined, to_json)
 
 CHECKPOINT_FORMAT = 1
 CHECKPOINTS = "checkpoints"
@@ -39,6 +42,9 @@ TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "state.json"
+# The tensor files a checkpoint pins, hashed as read_confined reads them: the adapter (at most
+# 4 GiB of tensors, files/tensors.py) and AdamW's two moments of it, with room to spare.
+MAX_CHECKPOINT_FILE_BYTES = 12 << 30
 
 
 @dataclass
@@ -84,7 +90,6 @@ def save_checkpoint(run_dir: Path, state: dict, trainable: dict[str, torch.Tenso
                     optimizer: torch.optim.Optimizer) -> Path:
     """Write `state` (JSON-ready, must hold "next_step") with the tensors; returns its directory."""
     root = Path(run_dir) / CHECKPOINTS
-    root.mkdir(exist_ok=True)
     final = root / f"step-{state['next_step']:06d}"
     rng_json, rng_tensors = _rng_state()
     blobs = {
@@ -95,7 +100,8 @@ def save_checkpoint(run_dir: Path, state: dict, trainable: dict[str, torch.Tenso
     }
     document = {"checkpoint_format": CHECKPOINT_FORMAT, **state, "rng": rng_json,
                 "files": {name: sha256_bytes(data) for name, data in blobs.items()}}
-    with atomic_directory(final) as staging:  # fsync every file, then rename into place
+    # fsync every file, then rename into place; checkpoints/ is made here, a symlink refused
+    with atomic_directory(final, root=run_dir) as staging:
         for name, data in blobs.items():
             (staging / name).write_bytes(data)
         (staging / STATE_FILE).write_text(to_json(document), encoding="utf-8")
@@ -140,13 +146,21 @@ def remove_checkpoints(run_dir: Path) -> None:
 def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     """The complete checkpoint with the highest step, verified against its recorded hashes."""
     root = Path(run_dir) / CHECKPOINTS
-    candidates = sorted(root.glob("step-*")) if root.is_dir() else []
+    if not os.path.lexists(root):
+        return None
+    # Every path below goes through the confinement rule (files/confine.py): inside the run
+    # directory once resolved, a folder or a regular file, read non-blocking within a limit.
+    confined_path(run_dir, CHECKPOINTS, directory=True)
+    candidates = sorted(root.glob("step-*"))
     if not candidates:
         return None
     directory = candidates[-1]
+    inside = f"{CHECKPOINTS}/{directory.name}"
+    confined_path(run_dir, inside, directory=True)
     where = f"{directory}/{STATE_FILE}"
     try:
-        state = parse_json((directory / STATE_FILE).read_text(encoding="utf-8"), where)
+        state = parse_json(read_confined(run_dir, f"{inside}/{STATE_FILE}", MAX_FILE_BYTES)
+                           .decode("utf-8"), where)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise InputError(f"{where}: unreadable checkpoint state ({error})") from None
     if not isinstance(state, dict) or state.get("checkpoint_format") != CHECKPOINT_FORMAT:
@@ -156,8 +170,11 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
         raise InputError(f"{where}: field \"files\" must pin {TRAINABLE_FILE}, {OPTIMIZER_FILE} "
                          f"and {RNG_FILE} by sha256")
     for name, digest in files.items():
-        path = directory / name
-        if not path.is_file() or sha256_path(path) != digest:
+        try:
+            actual = sha256_confined(run_dir, f"{inside}/{name}", MAX_CHECKPOINT_FILE_BYTES)
+        except InputError:
+            actual = None
+        if actual != digest:
             raise InputError(f"{directory}/{name}: missing or does not match the sha256 recorded "
                              f"in {STATE_FILE}; the checkpoint is damaged")
     return Checkpoint(directory, state)
@@ -195,15 +212,20 @@ def checkpoint_to_resume(run_dir: str | Path) -> Checkpoint:
                          "update step finished); start a new run with a new --label"
                          + (", or the same --out: it replaces this one"
                             if never_checkpointed(run_dir) else ""))
-    if not (run_dir / "trajectories.jsonl").is_file():
-        raise InputError(f"{run_dir}/trajectories.jsonl: missing; the run cannot be resumed")
+    log = run_dir / "trajectories.jsonl"
+    if not os.path.lexists(log):
+        raise InputError(f"{log}: missing; the run cannot be resumed")
+    if not stat.S_ISREG(os.lstat(log).st_mode):  # the resume truncates and appends to it
+        raise InputError(f"{log}: a symbolic link, FIFO or device, not a regular file; grpogate "
+                         "writes nothing through it, and the run cannot be resumed")
     return checkpoint
 
 
 def _interrupted(manifest: Path) -> bool:
     """An interim manifest: the run was stopped by a signal and may be continued."""
     try:
-        document = parse_json(manifest.read_text(encoding="utf-8"), str(manifest))
+        document = parse_json(read_confined(manifest.parent, manifest.name).decode("utf-8"),
+                              str(manifest))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, InputError):
         return False
     return isinstance(document, dict) and document.get("status") == "interrupted"
