@@ -262,6 +262,23 @@ def distributed_section(recorded: dict) -> dict:
     return {**recorded, "slowest_rank_seconds": slowest}
 
 
+def training_steps_section(config: dict, steps: list[dict], trajectories: list[dict],
+                           loop_status: str) -> dict:
+    """Configured and completed training steps. A step counts as completed when its record
+    follows the one before (numbered 0, 1, ...) and trajectories.jsonl holds its records, so
+    the audit rebuilds the count from the stored records; a loop that stopped early names its
+    status as the early stop (interrupted or failed: the execution check rejects it)."""
+    logged = {r.get("step") for r in trajectories if isinstance(r, dict)
+              and type(r.get("step")) is int}
+    completed = 0
+    for step in steps:
+        if not isinstance(step, dict) or step.get("step") != completed or completed not in logged:
+            break
+        completed += 1
+    return {"configured": step_count(config["train_prompts"], config["prompts_per_step"]),
+            "completed": completed, "early_stop": None if loop_status == "ok" else loop_status}
+
+
 def run_status(loop_status: str, rollout: dict, update: dict) -> str:
     """A finished loop with no valid group or no real optimizer step did not update the policy."""
     if loop_status == "ok" and (rollout["valid_group_count"] == 0 or update["update_count"] == 0):
@@ -305,6 +322,8 @@ def assemble_evidence(facts: dict, config: dict, steps: list[dict], trajectories
         "resources": facts["resources"],
         "artifact": facts["artifact"],
         "steps": steps,
+        "training_steps": training_steps_section(config, steps, trajectories,
+                                                 facts["loop_status"]),
     }
     if facts.get("distributed") is not None:  # absent from runs recorded before torchrun
         evidence["distributed"] = distributed_section(facts["distributed"])

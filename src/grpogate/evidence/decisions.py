@@ -20,6 +20,7 @@ from typing import Any
 
 from grpogate.evidence.significance import (SIGNIFICANCE_LEVEL, per_prompt_deltas,
                                             sign_flip_test, significant)
+from grpogate.evidence.step_checks import steps_rows
 from grpogate.gates import (GATE_NAMES, SWITCH_GATE_NAMES, finite_number,  # noqa: F401
                             validate_gates)  # GATE_NAMES, validate_gates: re-exported
 
@@ -369,8 +370,8 @@ def decide_grpo_delivery(rollout: Any, candidate: Any, artifact: Any) -> dict[st
 
 def run_checks(evidence: Any, gates: Any) -> list[dict[str, Any]]:
     """One row per whole-run check {"name", "value", "threshold", "passed", "on_fail"}, in
-    order: contract, (a gated foreign run: baseline_identity, isolation,) execution,
-    effective_groups, effective_throughput, updates, reward, pass_at_group, truncation,
+    order: contract, (a gated foreign run: baseline_identity, isolation; a grpogate run: steps,)
+    execution, effective_groups, effective_throughput, updates, reward, pass_at_group, truncation,
     length_budget, guard, retest_kl, memory, artifact (guard and retest_kl only when the gates
     hold theirs)."""
     admitted = _get(evidence, "contract", "admitted")
@@ -388,7 +389,8 @@ def run_checks(evidence: Any, gates: Any) -> list[dict[str, Any]]:
     # What the update cost: the guard set and the drift (absent rows: gates that predate them).
     safety = [row for row in (_guard_row(evidence, gates), _retest_kl_row(evidence, gates)) if row]
     changed = [row for row in (_effective_update_row(evidence),) if row]
-    return [contract, *_foreign_admission_rows(evidence), *candidate_rows[:3], *changed,
+    return [contract, *_foreign_admission_rows(evidence), *steps_rows(evidence),
+            *candidate_rows[:3], *changed,
             *candidate_rows[3:], length_budget, *safety, memory,
             _artifact_check(_get(evidence, "artifact"))]
 
