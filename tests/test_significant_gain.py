@@ -231,3 +231,26 @@ def test_lora_b_all_zero_reads_the_adapter_weights(tmp_path):
         path = tmp_path / f"{name}.safetensors"
         path.write_bytes(safetensors_bytes(tensors))
         assert lora_b_all_zero(path) is expected, name
+
+
+def test_the_detectable_gain_by_hand_and_recomputed_by_decide(tmp_path):
+    """Deltas 1, 0, 0, 1: mean 0.5, sample sd sqrt(4 * 0.25 / 3) = 0.577350; the gain this
+    re-test detects with probability 0.8 at one-sided 2.5 % is (z_0.975 + z_0.8) * sd / sqrt(n)
+    = (1.959964 + 0.841621) * 0.577350 / 2 = 0.808748 (normal approximation). With a margin
+    of 0.1 it is 0.1 higher; for the guard's `less` side it is the margin minus the same."""
+    from grpogate.evidence.significance import detectable_difference
+
+    assert sign_flip_test([1, 0, 0, 1])["detectable_difference"] == pytest.approx(0.808748,
+                                                                                  abs=1e-6)
+    assert detectable_difference([1, 0, 0, 1], 0.1) == pytest.approx(0.908748, abs=1e-6)
+    assert detectable_difference([1, 0, 0, 1], -0.1, "less") == pytest.approx(-0.908748, abs=1e-6)
+    assert detectable_difference([0.0] * 8) is None  # no spread: nothing to estimate it from
+    # The synthetic run's reward deltas 0.5, 0.25: sd sqrt(2 * 0.125^2) = 0.176777, and
+    # 2.801585 * 0.176777 / sqrt(2) = 0.350198; decide recomputes it with the decision.
+    run_dir = write_synthetic_run(tmp_path, require_significant_gain=True)
+    row = rows(json.loads((run_dir / "evidence.json").read_text())["decision"])["reward"]
+    assert row["test"]["detectable_difference"] == pytest.approx(0.350198, abs=1e-6)
+    audit = audit_run(run_dir)
+    assert audit["agrees"] is True
+    assert rows(audit)["reward"]["test"]["detectable_difference"] == pytest.approx(0.350198,
+                                                                                   abs=1e-6)

@@ -19,7 +19,8 @@ import typer
 
 from grpogate import api
 from grpogate.cli import eval_commands, gate_commands, options
-from grpogate.cli.results import print_audit_lines, print_run_result, test_lines
+from grpogate.cli.results import print_audit_lines, print_run_result
+from grpogate.evidence.retest_checks import test_lines
 from grpogate.cli.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
                                    gates_table, print_json, progress_bars, quiet_libraries)
 from grpogate.config import load_config

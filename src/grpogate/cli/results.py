@@ -10,6 +10,7 @@ import typer
 
 from grpogate.cli.terminal import DECISION_EXIT_CODES, DECISION_STYLE, console, gates_table
 from grpogate.errors import command, plain
+from grpogate.evidence.retest_checks import test_lines
 
 def safety_lines(evidence: dict) -> list[str]:
     """The guard set's paired gain and the re-test drift, one line each (when recorded)."""
@@ -29,21 +30,6 @@ def safety_lines(evidence: dict) -> list[str]:
         lines.append(f"drift on the re-test: KL(candidate || baseline) "
                      f"{drift['kl_to_baseline']:.4f} per token, entropy "
                      f"{entropy['baseline']:.4f} -> {entropy['candidate']:.4f}")
-    return lines
-
-
-def test_lines(decision: dict) -> list[str]:
-    """One line per gate that ran the paired sign-flip test: its p-value and what it saw."""
-    lines = []
-    for row in decision.get("checks") or []:
-        test = row.get("test") if isinstance(row, dict) else None
-        if isinstance(test, dict):
-            how = "exact" if test.get("exact") else (
-                f"{test.get('draws')} random flips, +/- {test.get('mc_standard_error'):.4f}")
-            lines.append(f"{plain(row['name'])} test: p = {test.get('p_value'):.4g} ({how}; "
-                         f"{test.get('differing_prompts')} of {test.get('prompts')} prompts "
-                         f"differ; mean difference {test.get('statistic'):+.4f} beyond the "
-                         f"margin {test.get('margin'):+g})")
     return lines
 
 

@@ -18,8 +18,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from grpogate.evidence.significance import (SIGNIFICANCE_LEVEL, per_prompt_deltas,
-                                            sign_flip_test, significant)
+from grpogate.evidence.check_rows import (_gate_row, _get, _is_positive_int,  # noqa: F401
+                                          _non_empty_str, _retest_skipped, _row, _same_version)
+from grpogate.evidence.retest_checks import (_effective_update_row, _gain_row,  # noqa: F401
+                                             _guard_row, _retest_kl_row, gain_rule, gain_rule_line,
+                                             gain_test, identical_retest, no_change_reason)
 from grpogate.evidence.step_checks import steps_rows
 from grpogate.gates import (GATE_NAMES, SWITCH_GATE_NAMES, finite_number,  # noqa: F401
                             validate_gates)  # GATE_NAMES, validate_gates: re-exported
@@ -31,40 +34,6 @@ CONTRACT_CHECKS = ("prompt_identity", "policy_version", "verifier_version", "gro
 NO_GROUPS_CHECK = "groups"
 FOREIGN_LOG = "trainer_log"  # rollout["source"] of a run gated from another trainer's log
 _SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII | re.IGNORECASE)
-
-
-def _get(mapping: Any, *keys: str) -> Any:
-    """mapping[k1][k2]... or None when any level is missing or not a dict."""
-    for key in keys:
-        if not isinstance(mapping, dict):
-            return None
-        mapping = mapping.get(key)
-    return mapping
-
-
-def _non_empty_str(value: Any) -> bool:
-    return isinstance(value, str) and value.strip() != ""
-
-
-def _is_positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _same_version(recorded: Any, expected: Any) -> bool:
-    return _non_empty_str(expected) and isinstance(recorded, str) and recorded == expected
-
-
-def _row(name: str, value: Any, threshold: Any, passed: bool, on_fail: str) -> dict[str, Any]:
-    return {"name": name, "value": value, "threshold": threshold, "passed": bool(passed),
-            "on_fail": on_fail}
-
-
-def _gate_row(name: str, value: Any, gates: Any, gate_name: str) -> dict[str, Any]:
-    """A `tune` check of a measured value against an inclusive minimum_/maximum_ gate."""
-    measured, threshold = finite_number(value), finite_number(_get(gates, gate_name))
-    passed = measured is not None and threshold is not None and (
-        measured >= threshold if gate_name.startswith("minimum_") else measured <= threshold)
-    return _row(name, measured, threshold, passed, "tune")
 
 
 # --- trajectory contract -------------------------------------------------------------------
@@ -215,76 +184,6 @@ def _stage_seconds(rollout: Any, update: Any) -> float | None:
     return float(sum(float(part) for part in seconds))
 
 
-def _retest_skipped(evidence: Any) -> bool:
-    """An interrupted run records a skipped re-test as zeros with `"skipped": true`; zeros that
-    were never measured must not pass a quality gate."""
-    return _get(evidence, "comparison", "skipped") is True
-
-
-def gain_rule(gates: Any) -> str:
-    """Which rule the reward and pass_at_group gates read: the one-sided paired sign-flip test
-    of "gain <= minimum" at 2.5 % when `require_significant_gain` is true, else the point
-    estimate (a gates table without the switch: the reference profile's gates). The run's
-    output, `decide` and the report state it with this one rule."""
-    if _get(gates, "require_significant_gain") is True:
-        return "paired sign-flip test"
-    return "point estimate"
-
-
-def gain_rule_line(gates: Any) -> str:
-    """One sentence for a reader: which rule decided the gain gates, and how to switch it."""
-    if gain_rule(gates) == "paired sign-flip test":
-        return ("gain gates (reward, pass_at_group) pass when a one-sided paired sign-flip test "
-                f"rejects 'gain <= minimum' at p <= {SIGNIFICANCE_LEVEL} "
-                "(gates.require_significant_gain = true)")
-    return ("gain gates (reward, pass_at_group) read the point estimate "
-            "(gates.require_significant_gain = false: the reference profile's published gates); "
-            "this rule accepts a candidate whose gain is zero")
-
-
-# The per-prompt field each gain gate tests, with its summary-level gain and paired interval.
-_GAIN_FIELDS = {"reward_mean_gain": "mean_reward", "pass_at_group_gain": "passed"}
-
-
-def gain_test(section: Any, name: str, margin: Any, alternative: str = "greater") -> dict | None:
-    """The paired sign-flip test of one gain in a re-test section (the evidence's comparison,
-    or its guard), from the per-prompt records it holds, with the recorded 95 % interval
-    beside it; None when the section is skipped or its per-prompt records do not pair."""
-    margin = finite_number(margin)
-    if margin is None or _get(section, "skipped") is True:
-        return None
-    baseline, candidate = _get(section, "baseline", "per_prompt"), _get(
-        section, "candidate", "per_prompt")
-    if not isinstance(baseline, list) or not isinstance(candidate, list):
-        return None
-    deltas = per_prompt_deltas(baseline, candidate, _GAIN_FIELDS[name])
-    if deltas is None:
-        return None
-    test = sign_flip_test(deltas, margin=margin, alternative=alternative)
-    interval = _get(section, "paired", name)
-    if isinstance(interval, dict):
-        test["interval_95"] = [interval.get("low"), interval.get("high")]
-    return test
-
-
-def _gain_row(evidence: Any, gates: Any, check: str, name: str, gate_name: str) -> dict:
-    """A gain gate: the point estimate >= the minimum, or (significant rule) the test of
-    "gain <= minimum" rejecting at SIGNIFICANCE_LEVEL; its row carries the test."""
-    if gain_rule(gates) != "paired sign-flip test":
-        value = None if _retest_skipped(evidence) else _get(evidence, "comparison", name)
-        return _gate_row(check, value, gates, gate_name)
-    margin = finite_number(_get(gates, gate_name))
-    test = None if _retest_skipped(evidence) else gain_test(
-        _get(evidence, "comparison"), name, margin)
-    threshold = (f"p <= {SIGNIFICANCE_LEVEL} (H0: gain <= {margin:g})" if margin is not None
-                 else None)
-    row = _row(check, None if test is None else test["p_value"], threshold,
-               test is not None and significant(test), "tune")
-    if test is not None:
-        row["test"] = test
-    return row
-
-
 def _candidate_checks(evidence: Any, gates: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The metrics and the eight candidate check rows, in the order of docs/design.md §5."""
     rollout, update = _get(evidence, "rollout"), _get(evidence, "update")
@@ -412,93 +311,6 @@ def _foreign_admission_rows(evidence: Any) -> list[dict[str, Any]]:
         _row("isolation", shared if checked is True else "not checked", 0,
              checked is True and shared == 0, "tune"),
     ]
-
-
-def _guard_row(evidence: Any, gates: Any) -> dict[str, Any] | None:
-    """The guard set must not be significantly worse than -maximum_guard_reward_loss: under the
-    significant rule the same paired sign-flip test as the gains, of "guard gain >= -loss"
-    (the row fails when it rejects at SIGNIFICANCE_LEVEL); under the point-estimate rule the
-    guard gain itself >= -loss. None (no row) when the gates predate the guard; a guard
-    recorded off passes as "off"."""
-    if not isinstance(gates, dict) or "maximum_guard_reward_loss" not in gates:
-        return None
-    guard, loss = _get(evidence, "guard"), finite_number(gates["maximum_guard_reward_loss"])
-    threshold = None if loss is None else 0.0 - loss  # 0.0 - 0.0 shows as 0, not -0
-    if isinstance(guard, dict) and guard.get("enabled") is False and not _retest_skipped(evidence):
-        return _row("guard", "off", threshold, True, "tune")
-    usable = isinstance(guard, dict) and guard.get("skipped") is not True
-    if gain_rule(gates) != "paired sign-flip test":
-        value = finite_number(guard.get("reward_mean_gain")) if usable else None
-        return _row("guard", value, threshold,
-                    value is not None and threshold is not None and value >= threshold, "tune")
-    test = gain_test(guard, "reward_mean_gain", threshold, "less") if usable else None
-    row = _row("guard", None if test is None else test["p_value"],
-               None if threshold is None else
-               f"p > {SIGNIFICANCE_LEVEL} (H0: guard gain >= {threshold:g})",
-               test is not None and not significant(test), "tune")
-    if test is not None:
-        row["test"] = test
-    return row
-
-
-def identical_retest(evidence: Any) -> dict[str, int] | None:
-    """{"pairs", "identical"} over the re-test's eval and guard completion pairs (baseline and
-    candidate on the same prompt and sample seed), when the evidence records them; None for a
-    skipped re-test or an evidence without the counts."""
-    if _retest_skipped(evidence):
-        return None
-    counts = [_get(evidence, "comparison", "identical_completions")]
-    guard = _get(evidence, "guard")
-    if isinstance(guard, dict) and guard.get("enabled") is not False and not guard.get("skipped"):
-        counts.append(guard.get("identical_completions"))
-    if not isinstance(counts[0], dict):
-        return None
-    totals = {"pairs": 0, "identical": 0}
-    for count in counts:
-        for key in totals:
-            value = _get(count, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                return None
-            totals[key] += value
-    return totals if totals["identical"] <= totals["pairs"] else None
-
-
-def no_change_reason(evidence: Any) -> str | None:
-    """The words for a candidate whose re-test is the baseline's, completion for completion;
-    None when anything differs (or nothing is recorded)."""
-    counts = identical_retest(evidence)
-    if counts is None or counts["pairs"] == 0 or counts["identical"] != counts["pairs"]:
-        return None
-    eval_pairs = _get(evidence, "comparison", "identical_completions", "pairs")
-    guard_pairs = counts["pairs"] - eval_pairs
-    detail = f"{eval_pairs} of {eval_pairs} eval pairs" + (
-        f", {guard_pairs} of {guard_pairs} guard pairs" if guard_pairs else "")
-    return (f"the candidate's re-test completions are identical to the baseline's ({detail}): "
-            "no effective update")
-
-
-def _effective_update_row(evidence: Any) -> dict[str, Any] | None:
-    """At least one re-test completion of the candidate differs from the baseline's (else
-    `reject`: a candidate that changed nothing is not an update, whatever the gates read).
-    None when the evidence does not record the counts (a skipped re-test)."""
-    counts = identical_retest(evidence)
-    if counts is None:
-        return None
-    differing = counts["pairs"] - counts["identical"]
-    return _row("effective_update", differing, "> 0 pairs differ",
-                differing > 0, "reject")
-
-
-def _retest_kl_row(evidence: Any, gates: Any) -> dict[str, Any] | None:
-    """The candidate's mean per-token KL to the baseline on the re-test <= maximum_retest_kl;
-    0 turns the gate off (the KL is still recorded). None when the gates predate it."""
-    if not isinstance(gates, dict) or "maximum_retest_kl" not in gates:
-        return None
-    kl = None if _retest_skipped(evidence) else finite_number(
-        _get(evidence, "comparison", "drift", "kl_to_baseline"))
-    if finite_number(gates["maximum_retest_kl"]) == 0:
-        return _row("retest_kl", kl, "off", True, "tune")
-    return _gate_row("retest_kl", kl, gates, "maximum_retest_kl")
 
 
 def decide_run(evidence: Any, gates: Any) -> dict[str, Any]:

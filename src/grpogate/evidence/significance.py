@@ -26,6 +26,7 @@ the 2^n sign patterns whose sum reaches the observed sum.
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import numpy as np
 
@@ -34,6 +35,23 @@ RANDOM_FLIPS = 20_000  # Monte Carlo draws where no lattice fits (standard error
 MAX_LATTICE = 1000  # lattice steps per unit tried (1/L for L = 1 .. MAX_LATTICE)
 MAX_LATTICE_CELLS = 4_000_000  # the exact null distribution's largest array (32 MB)
 METHOD = "sign-flip randomization (one-sided, paired by prompt)"
+DETECTION_POWER = 0.8  # the power at which a re-test's detectable difference is stated
+
+
+def detectable_difference(deltas, margin: float = 0.0, alternative: str = "greater",
+                          power: float = DETECTION_POWER) -> float | None:
+    """The mean difference this re-test detects with probability `power`: the margin moved by
+    (z_{1-alpha} + z_power) * s / sqrt(n), s the per-prompt differences' standard deviation
+    (n - 1), in the test's direction (a gain above a `greater` margin, a loss below a `less`
+    one). The normal approximation of the test's power, from the run's own re-test variance;
+    None when fewer than two prompts or no spread (nothing to estimate the noise from)."""
+    values = np.asarray(list(deltas), dtype=float)
+    if values.size < 2 or not np.any(values != values[0]):
+        return None
+    spread = float(values.std(ddof=1)) / math.sqrt(values.size)
+    normal = NormalDist()
+    resolution = (normal.inv_cdf(1.0 - SIGNIFICANCE_LEVEL) + normal.inv_cdf(power)) * spread
+    return float(margin) + (resolution if alternative == "greater" else -resolution)
 
 
 def _lattice(values: np.ndarray) -> tuple[int, np.ndarray] | None:
@@ -82,7 +100,8 @@ def sign_flip_test(deltas, margin: float = 0.0, alternative: str = "greater",
     the margin?) or "mean(deltas) >= margin" (`less`: is there a loss beyond it?).
 
     Returns {"method", "alternative", "margin", "statistic" (the mean of deltas - margin),
-    "p_value", "differing_prompts", "prompts", "exact", "draws", "mc_standard_error"}.
+    "p_value", "differing_prompts", "prompts", "exact", "draws", "mc_standard_error",
+    "detectable_difference", "detection_power"} (`detectable_difference`).
     """
     if alternative not in ("greater", "less"):
         raise ValueError(f"alternative must be 'greater' or 'less', got {alternative!r}")
@@ -94,7 +113,10 @@ def sign_flip_test(deltas, margin: float = 0.0, alternative: str = "greater",
     result = {"method": METHOD, "alternative": alternative, "margin": float(margin),
               "statistic": float(shifted.mean()), "prompts": int(shifted.size),
               "differing_prompts": int(nonzero.size), "exact": True, "draws": 0,
-              "mc_standard_error": 0.0}
+              "mc_standard_error": 0.0,
+              "detectable_difference": detectable_difference(shifted + float(margin), margin,
+                                                             alternative),
+              "detection_power": DETECTION_POWER}
     if nonzero.size == 0:
         return {**result, "p_value": 1.0}
     lattice = _lattice(nonzero)
