@@ -55,6 +55,7 @@ from grpogate.training.checkpoint import (CHECKPOINTS, Checkpoint, CheckpointWri
                                           checkpoint_to_resume, latest_checkpoint,
                                           never_checkpointed, restore_training_state)
 from grpogate.training.loop import Loop, LoopState, train
+from grpogate.training.resume_check import check_resume_point
 
 
 class NullReporter:
@@ -114,6 +115,7 @@ def resume(run_dir: str | Path, config: RunConfig | None = None, reporter=None,
         if config is not None and config.to_dict() != stored.to_dict():
             raise InputError(f"{where}: the given config differs from the run's stored config; "
                              "a resumed run uses its stored config unchanged")
+        check_resume_point(checkpoint, run_dir, stored.steps)  # before a weight loads
         return _execute(admit(stored, resume_dir=run_dir, reward_code=reward_code),
                         reporter or NullReporter(), stop, checkpoint, held, world)
 
