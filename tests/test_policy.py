@@ -6,12 +6,10 @@ import hashlib
 import importlib.util
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from grpogate.inputs import model_cache
 from grpogate.inputs import policy as policy_module
 from grpogate.errors import InputError
 from grpogate.inputs.policy import (
@@ -325,36 +323,3 @@ def test_an_empty_or_truncated_safetensors_file_is_bad_input(tmp_path, cut, mess
     (tmp_path / "w.safetensors").write_bytes(data[:cut] if cut >= 0 else data[:len(data) + cut])
     with pytest.raises(InputError, match=re.escape(message)):
         read_safetensors(tmp_path / "w.safetensors")
-
-
-def test_a_corrupted_or_truncated_model_cache_is_noticed_and_rebuilt(tmp_path, monkeypatch,
-                                                                     capsys):
-    built: list[Path] = []
-
-    def fake_entry(gguf, directory):  # stands in for the 20 s dequantization
-        built.append(directory)
-        (directory / "model.safetensors").write_bytes(bytes(range(256)) * 64)
-        (directory / "config.json").write_text("{}")
-
-    monkeypatch.setattr(model_cache, "_write_cache_entry", fake_entry)
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
-    entry = model_cache.dequantized_cache(gguf, "ab" * 32, tmp_path / "cache")
-    assert len(built) == 1
-    assert model_cache.dequantized_cache(gguf, "ab" * 32, tmp_path / "cache") == entry
-    assert len(built) == 1  # a verified entry is reused
-    weights = entry / "model.safetensors"
-    clean = weights.read_bytes()
-
-    data = bytearray(clean)
-    data[8000] ^= 0xFF  # one byte inside one block
-    weights.write_bytes(bytes(data))
-    assert model_cache.dequantized_cache(gguf, "ab" * 32, tmp_path / "cache") == entry
-    assert len(built) == 2 and weights.read_bytes() == clean
-    assert "model.safetensors does not match its recorded sha256" in capsys.readouterr().err
-
-    weights.write_bytes(clean[:1000])  # truncated
-    model_cache.dequantized_cache(gguf, "ab" * 32, tmp_path / "cache")
-    assert len(built) == 3 and weights.read_bytes() == clean
-    assert "rebuilding it" in capsys.readouterr().err
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [entry.name]

@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,8 @@ from safetensors.torch import load_file
 
 from grpogate.config import BUNDLED_MODEL, RunConfig
 from grpogate.errors import InputError, first_line
+from grpogate.inputs.adapter_patterns import check_module_patterns, lora_targets
+from grpogate.inputs.cache_dir import cache_root, use_cache_dir
 from grpogate.inputs.model_cache import dequantized_cache
 from grpogate.files import (ADAPTER_WEIGHTS, policy_version, read_safetensors,  # noqa: F401
                             safetensors_names, sha256_path, tensors_digest)
@@ -58,9 +59,10 @@ class BaseModelSource:
     kind: str  # "gguf" | "hf-dir" | "hf-id"
     location: str  # file, directory or hub id as given (resolved for files)
     load_dir: str  # what from_pretrained reads (cache dir for GGUF)
-    sha256: str  # identity of the weights
+    sha256: str  # identity of the weights: the GGUF's, the directory's files', the hub commit's
     revision: str = ""
     spec: str = ""  # the model as the user named it (e.g. the bundled id), for re-use as baseline
+    loaded_sha256: str = ""  # the files the weights loaded from, hashed at load (not for hub ids)
 
     @property
     def public_id(self) -> str:
@@ -72,12 +74,8 @@ class BaseModelSource:
 
     def identity(self) -> dict:
         return {"spec": self.spec, "kind": self.kind, "location": self.location,
-                "public_id": self.public_id, "sha256": self.sha256, "revision": self.revision}
-
-
-def cache_root() -> Path:
-    """$GRPOGATE_CACHE, else ~/.cache/grpogate: where grpogate keeps what it builds once."""
-    return Path(os.environ.get("GRPOGATE_CACHE", Path.home() / ".cache" / "grpogate"))
+                "public_id": self.public_id, "sha256": self.sha256, "revision": self.revision,
+                "loaded_sha256": self.loaded_sha256}
 
 
 def default_cache_dir(config: RunConfig) -> Path:
@@ -122,14 +120,16 @@ def resolve_base_model(model: str, revision: str, cache_root: Path) -> BaseModel
             raise InputError(f"{model}: no such GGUF file")
         _check_gguf(gguf)
         digest = sha256_path(gguf)
-        return BaseModelSource("gguf", str(gguf), str(dequantized_cache(gguf, digest, cache_root)),
-                               digest, spec=model)
+        entry, loaded = dequantized_cache(gguf, digest, cache_root)
+        return BaseModelSource("gguf", str(gguf), str(entry), digest, spec=model,
+                               loaded_sha256=loaded)
     path = Path(model)
     if path.exists():
         if not (path / "config.json").is_file():
             raise InputError(f"{model}: not a Hugging Face model directory (no config.json)")
-        return BaseModelSource("hf-dir", str(path.resolve()), str(path.resolve()),
-                               _weights_sha256(path), spec=model)
+        digest = _weights_sha256(path)
+        return BaseModelSource("hf-dir", str(path.resolve()), str(path.resolve()), digest,
+                               spec=model, loaded_sha256=digest)
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise InputError(f"{model}: no such model path (and not a Hugging Face id owner/name)")
     # A hub id: the identity is the id at the resolved commit, recorded after loading.
@@ -188,9 +188,11 @@ def check_adapter_dir(adapter: str) -> Path:
         raise InputError(f"{adapter}: no {ADAPTER_WEIGHTS}; adapters load only from safetensors")
     read_safetensors(path / ADAPTER_WEIGHTS)  # an empty or truncated file is bad input, here
     try:
-        json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+        document = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise InputError(f"{adapter}/adapter_config.json: not valid JSON ({error})") from None
+    # Before PEFT reads it: a pattern field PEFT would run as a regex must be a plain name.
+    check_module_patterns(document, f"{adapter}/adapter_config.json")
     return path
 
 
@@ -199,7 +201,8 @@ def _lora_config(config: RunConfig):
 
     return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha,
                       lora_dropout=config.lora_dropout,
-                      target_modules=config.lora_target_modules, task_type="CAUSAL_LM")
+                      target_modules=lora_targets(config.lora_target_modules),
+                      task_type="CAUSAL_LM")
 
 
 def _attach_fresh_lora(model, config: RunConfig):
@@ -277,6 +280,7 @@ def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    use_cache_dir(config.cache_dir)  # the native kernels build there too
     base = resolve_base_model(config.model, config.model_revision, default_cache_dir(config))
     options = {"revision": base.revision} if base.revision else {}
     tokenizer = AutoTokenizer.from_pretrained(base.load_dir, trust_remote_code=False, **options)
@@ -443,7 +447,6 @@ def portable_adapter_files(directory: Path, local_dir: str, public_id: str) -> N
     if readme.is_file():
         readme.write_text(readme.read_text(encoding="utf-8").replace(local_dir, public_id),
                           encoding="utf-8")
-
 
 
 def load_adapter_state(directory: Path) -> dict[str, torch.Tensor]:
