@@ -29,6 +29,8 @@ from grpogate.files.bounds import (  # noqa: F401  (the files API: bounds.py)
 from grpogate.files.confine import (  # noqa: F401  (the files API: confine.py)
     confined_file, confined_path, open_in_run_dir, read_confined, run_folder, sha256_confined,
     write_in_run_dir)
+from grpogate.files.json_text import MAX_JSON_STRING_CHARS  # noqa: F401  (files API)
+from grpogate.files.json_text import scan as scan_json_text
 from grpogate.files.tensors import (  # noqa: F401  (the files API: tensors.py)
     policy_version, read_safetensors, safetensors_names, safetensors_sha256, tensors_digest)
 
@@ -187,21 +189,22 @@ class NullLog:
 # Untrusted JSON (every file of a run directory, an eval file, a problems line): nesting
 # deeper than this is refused before parsing (grpogate's own files nest under 10 levels).
 JSON_DEPTH_LIMIT = 64
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_JSON_BRACKET = re.compile(r"[\[\]{}]")
 
 
-def _json_depth_over(text: str, limit: int) -> bool:
-    """Whether brackets outside strings nest deeper than `limit` (an unclosed string's
-    brackets are counted too: the text is malformed then, and only over-counting is possible)."""
-    if text.count("[") + text.count("{") <= limit:
-        return False
-    depth = 0
-    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
-        depth += 1 if match.group() in "[{" else -1
-        if depth > limit:
-            return True
-    return False
+def _check_json_text(text: str, where: str) -> None:
+    """Refuse, before json.loads builds anything, a text nesting deeper than JSON_DEPTH_LIMIT
+    (InputError) or holding a string longer than MAX_JSON_STRING_CHARS (FileTooLarge: a bound,
+    never a mismatch). json_text.scan: linear time, O(1) memory, whatever the text holds."""
+    bounds = scan_json_text(text, JSON_DEPTH_LIMIT, MAX_JSON_STRING_CHARS)
+    if bounds.too_deep:
+        raise InputError(f"{where}: JSON nested deeper than {JSON_DEPTH_LIMIT} levels; not a "
+                         "file grpogate reads")
+    if bounds.long_string is not None:
+        length, offset, key = bounds.long_string
+        field = f'field "{key}"' if key is not None else f"the string at character {offset}"
+        raise FileTooLarge(f"{where}: {field}: a string of {length} characters, over the limit "
+                           f"of {MAX_JSON_STRING_CHARS} for a string in a file grpogate reads; "
+                           "not what grpogate writes")
 
 
 def _unique_keys(where: str):
@@ -241,13 +244,11 @@ def _lone_surrogate_at(value, path: str = "") -> str | None:
 
 def parse_json(text: str, where: str):
     """JSON text from an untrusted file -> its value, bounded: nesting deeper than
-    JSON_DEPTH_LIMIT, duplicate keys, an integer too long for Python to convert and a lone
-    surrogate escape (\\ud800: valid JSON, not Unicode text; it breaks every later encode)
-    raise InputError naming `where` (file, or file:line); malformed text raises
-    json.JSONDecodeError for the caller to word."""
-    if _json_depth_over(text, JSON_DEPTH_LIMIT):
-        raise InputError(f"{where}: JSON nested deeper than {JSON_DEPTH_LIMIT} levels; not a "
-                         "file grpogate reads")
+    JSON_DEPTH_LIMIT, a string longer than MAX_JSON_STRING_CHARS, duplicate keys, an integer too
+    long for Python to convert and a lone surrogate escape (\\ud800: valid JSON, not Unicode
+    text; it breaks every later encode) raise InputError naming `where` (file, or file:line);
+    malformed text raises json.JSONDecodeError for the caller to word."""
+    _check_json_text(text, where)
     try:
         value = json.loads(text, object_pairs_hook=_unique_keys(where))
     except (InputError, json.JSONDecodeError):

@@ -1,0 +1,78 @@
+"""What an untrusted JSON text holds before it is parsed: its nesting depth and its longest
+string, found by one linear scan that allocates nothing per character.
+
+The scan walks the text's tokens with one compiled pattern: a whole string (quotes and escapes
+included), an opening or closing bracket outside strings, or a quote that opens a string never
+closed. The string alternative is written with possessive quantifiers (`*+`, Python >= 3.11,
+which grpogate needs for tomllib anyway): the regex engine keeps no backtracking state per
+repetition, so matching a string of any length costs O(1) memory. (A plain alternation,
+`"(?:[^"\\]|\\.)*"`, keeps some 120 bytes per character: a 200 MB string took 24 GB.) Each
+match object refers to the text and holds two offsets; Python's loop runs once per string and
+bracket, never per character, and only on a text that could fail a bound (more opening
+brackets than the depth limit, or longer than the string limit): other texts cost two
+`str.count` calls and nothing else.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# The longest JSON string grpogate reads, in characters of the file's text between its quotes
+# (escapes counted as written: json.dumps writes a non-ASCII character as \uXXXX, 6
+# characters, or 12 for a pair). The longest string a run writes is a completion or a
+# problem's text: 32,768 tokens (a long-reasoning budget, 680x the default 48) of up to 128
+# characters each is 4,194,304 = 4 MiB. Every other field (ids, versions, settings, paths,
+# messages) is under a kilobyte.
+MAX_JSON_STRING_CHARS = 1 << 22
+
+_TOKEN = re.compile(r'("[^"\\]*+(?:\\.[^"\\]*+)*+")|([\[{])|([\]}])|(")', re.S)
+_KEY_SEPARATOR = re.compile(r"\s*:\s*")
+STRING, OPEN, CLOSE = 1, 2, 3
+SHOWN_KEY_CHARS = 80  # a key longer than this is shown cut (it names the field, no more)
+
+
+@dataclass(frozen=True)
+class TextBounds:
+    """What `scan` found: whether the nesting passes `depth_limit` and the first string longer
+    than the string limit (None when there is none): its length, offset and object key."""
+
+    too_deep: bool = False
+    long_string: tuple[int, int, str | None] | None = None
+
+
+def _key_before(text: str, start: int, previous: re.Match | None) -> str | None:
+    """The object key of the string value at `start`: the string token just before it, when
+    only a colon (and whitespace) lies between them; None for an array element or top level."""
+    if previous is None or _KEY_SEPARATOR.fullmatch(text, previous.end(), start) is None:
+        return None
+    key = text[previous.start() + 1:previous.end() - 1]
+    return key if len(key) <= SHOWN_KEY_CHARS else key[:SHOWN_KEY_CHARS] + "..."
+
+
+def scan(text: str, depth_limit: int, string_limit: int = MAX_JSON_STRING_CHARS) -> TextBounds:
+    """Whether `text` nests brackets deeper than `depth_limit` outside strings, and its first
+    string longer than `string_limit` characters. Linear time, O(1) extra memory. A string
+    never closed ends the scan: the text is malformed, and json.loads says where (it reads no
+    bracket after that quote, so no nesting past it can reach its recursion)."""
+    openings = text.count("[") + text.count("{")
+    if openings <= depth_limit and len(text) <= string_limit + 2:
+        return TextBounds()
+    depth, previous_string = 0, None
+    for match in _TOKEN.finditer(text):
+        kind = match.lastindex
+        if kind == STRING:
+            length = match.end() - match.start() - 2
+            if length > string_limit:
+                key = _key_before(text, match.start(), previous_string)
+                return TextBounds(long_string=(length, match.start(), key))
+            previous_string = match
+        elif kind == OPEN:
+            depth += 1
+            if depth > depth_limit:
+                return TextBounds(too_deep=True)
+        elif kind == CLOSE:
+            depth -= 1
+        else:
+            break
+    return TextBounds()
