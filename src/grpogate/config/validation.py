@@ -14,6 +14,7 @@ from grpogate.config.schema import (BUILT_IN_REWARDS, DTYPES, IMPORTANCE_SAMPLIN
                                     SCALE_REWARDS,
                                     USER_REWARD_PATH, RunConfig, flatten)
 from grpogate.errors import InputError
+from grpogate.inputs.adapter_patterns import ALL_LINEAR, MAX_NAME_CHARS, plain_targets
 from grpogate.gates import validate_gates
 
 
@@ -74,6 +75,9 @@ def validate(config: RunConfig) -> RunConfig:
          f"task.source must be 'reasoning-gym' or 'gsm8k' (got {config.task.source!r})")
     need(config.task.source != "gsm8k" or bool(config.task.path),
          "task.path is required for gsm8k: a directory with train.jsonl/test.jsonl, a .jsonl file "
+    need(plain_targets(config.lora_target_modules), f"lora_target_modules must be "
+         f"\"{ALL_LINEAR}\" or a comma list of module names (letters, digits, _ and ., at "
+         f"most {MAX_NAME_CHARS} each), never a pattern (got {config.lora_target_modules!r})")
          "or a Hugging Face dataset id")
     unknown = [name for name in config.report_to if name not in REPORTERS]
     need(not unknown, f"report_to: unknown tracker {', '.join(map(repr, unknown))}; known: "

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpogate.errors import InputError
+from grpogate.inputs.adapter_patterns import check_module_patterns
 from grpogate.files import (ADAPTER_WEIGHTS, confined_path, parse_json, read_confined,
                             read_safetensors)
 
@@ -122,6 +123,7 @@ def _read_adapter(directory: Path, adapter_dir: Path) -> dict:
     if not isinstance(config.get("base_model_name_or_path"), str) or not config["base_model_name_or_path"]:
         raise InputError(f"{adapter_dir / ADAPTER_CONFIG}: field \"base_model_name_or_path\" "
                          "missing; the adapter does not name its base model")
+    check_module_patterns(config, str(adapter_dir / ADAPTER_CONFIG))  # no regex reaches PEFT
     return config
 
 
