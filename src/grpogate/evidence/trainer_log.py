@@ -35,19 +35,43 @@ SOURCE_NOTE = ("read from the trainer's own log (trainer_state.json log_history)
 WHOLE_TOLERANCE = 1e-3  # TRL logs the fraction as a float32 mean: 1/3 is 0.3333333432674408
 
 
+# Bounds on what a log may claim, so that no figure derived from it can overflow a float and
+# no work depends on a value (only on the number of entries). A step number is at most 2**53
+# (a float counts it exactly; TRL's max_steps is far below), a whole-number setting at most
+# 2**20 (1,048,576 processes, batch rows or generations): the counts derived from them stay
+# under 2**53 x 2**60 = 2**113 (about 1e34). A logged figure's magnitude is at most 1e100, so a
+# figure x a count is under 1e134 and a sum over the at most 2**22 entries of a log file under
+# 1e141, far from the float limit (1.8e308): `gate` can never fail on the log after the re-test.
+MAX_STEP = 1 << 53
+MAX_SETTING = 1 << 20
+MAX_FIGURE = 1e100
+
+
 def _number(entry: dict, key: str, where: str, required: bool = True) -> float | None:
     value = entry.get(key)
     if value is None and not required:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InputError(f"{where}: field {key!r} must be a finite number (got {value!r})")
+    if not _finite(value):
+        raise InputError(f"{where}: field {key!r} must be a finite number of magnitude at most "
+                         f"{MAX_FIGURE:g} (got {value!r})")
     return float(value)
+
+
+def _fraction(entry: dict, key: str, where: str) -> float | None:
+    """An optional logged fraction (frac_reward_zero_std): a number in [0, 1]."""
+    value = _number(entry, key, where, required=False)
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise InputError(f"{where}: field {key!r} is a fraction of groups, in [0, 1] (got "
+                         f"{value!r})")
+    return value
 
 
 def _generations(previous_step: int, step: int, num_iterations: int) -> int:
     """Optimizer steps k in (previous_step, step] that start with a generation: k - 1 divisible
-    by num_iterations (each generation is trained on num_iterations times)."""
-    return sum((k - 1) % num_iterations == 0 for k in range(previous_step + 1, step + 1))
+    by num_iterations (each generation is trained on num_iterations times). The multiples of n
+    in [a, b] number b // n - (a - 1) // n; here a = previous_step, b = step - 1. Closed form:
+    the cost is one division whatever the step numbers are."""
+    return (step - 1) // num_iterations - (previous_step - 1) // num_iterations
 
 
 def _whole(value: float, where: str, what: str) -> int:
@@ -65,6 +89,11 @@ def check_settings(settings: dict, where: str) -> None:
                          f"multi_objective_aggregation={settings.get('multi_objective_aggregation')!r} "
                          "TRL's frac_reward_zero_std does not count groups; the valid-group ratio "
                          "cannot be read from this log")
+    for key in ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+                "num_iterations", "num_processes"):
+        if settings[key] > MAX_SETTING:
+            raise InputError(f"{where}: GRPO setting {key}={settings[key]} is over "
+                             f"{MAX_SETTING}; not a run a trainer logs")
     per_generation = (settings["per_device_train_batch_size"]
                       * settings["gradient_accumulation_steps"] * settings["num_processes"])
     if per_generation % settings["num_generations"]:
@@ -84,10 +113,11 @@ def log_steps(trainer_state: dict, settings: dict, where: str) -> list[dict]:
             continue  # evaluation entries and the closing summary
         at = f"{where} log_history[{index}]"
         step = entry["step"]
-        if type(step) is not int or step <= previous:
-            raise InputError(f"{at}: field 'step' must be a whole number after {previous}")
+        if type(step) is not int or not previous < step <= MAX_STEP:
+            raise InputError(f"{at}: field 'step' must be a whole number after {previous}, at "
+                             f"most {MAX_STEP}")
         generations = _generations(previous, step, settings["num_iterations"])
-        frac = _number(entry, "frac_reward_zero_std", at, required=False)
+        frac = _fraction(entry, "frac_reward_zero_std", at)
         groups = generations * per_generation // group_size if frac is not None else 0
         valid = _whole((1.0 - frac) * groups, at, "(1 - frac_reward_zero_std) x groups") \
             if frac is not None else 0
@@ -113,13 +143,19 @@ def log_steps(trainer_state: dict, settings: dict, where: str) -> list[dict]:
             "loss": _number(entry, "loss", at), "grad_norm": _number(entry, "grad_norm", at, False),
             "learning_rate": _number(entry, "learning_rate", at, required=False),
             "step_time": _number(entry, "step_time", at, required=False),
-            "reward_component_means": {key[len("rewards/"):-len("/mean")]: entry[key]
-                                       for key in sorted(entry) if key.startswith("rewards/")
-                                       and key.endswith("/mean") and _finite(entry[key])},
+            "reward_component_means": _component_means(entry, at),
         }))
         previous = step
         tokens_before = num_tokens if num_tokens is not None else tokens_before
     return steps
+
+
+def _component_means(entry: dict, where: str) -> dict:
+    """Each reward function's logged mean ("rewards/NAME/mean"), by NAME; a NaN (TRL logs one
+    when a function scored nothing) is left out, any other value must be a bounded number."""
+    keys = [k for k in sorted(entry) if k.startswith("rewards/") and k.endswith("/mean")]
+    return {key[len("rewards/"):-len("/mean")]: _number(entry, key, where) for key in keys
+            if not (isinstance(entry[key], float) and math.isnan(entry[key]))}
 
 
 def _measured(record: dict) -> dict:
@@ -129,7 +165,9 @@ def _measured(record: dict) -> dict:
 
 
 def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A number (not a bool) of magnitude at most MAX_FIGURE: NaN and infinity are not."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and abs(value) <= MAX_FIGURE)
 
 
 def _weighted(steps: list[dict], key: str, weight: str) -> float | None:

@@ -191,6 +191,9 @@ def read_settings_file(path: str) -> dict:
             document = tomllib.loads(file.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
             raise InputError(f"{path}: not valid TOML ({error})") from None
+        except RecursionError:  # tomllib recurses per nested array or table: the stack unwinds
+            raise InputError(f"{path}: not valid TOML: arrays or tables nested deeper than any "
+                             "settings file (Python's recursion limit)") from None
     else:
         document = read_json_file(file)
     if not isinstance(document, dict):
