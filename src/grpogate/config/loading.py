@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 from dataclasses import fields
 from importlib import resources
@@ -98,6 +99,8 @@ def _check_gates(config: RunConfig, where: str) -> None:
 
 def _apply(target: Any, table: dict, where: str) -> None:
     """Copy a (nested) table onto a dataclass, rejecting unknown keys and wrong types."""
+    if not isinstance(table, dict):  # task="chain_sum" where a table of task keys belongs
+        raise InputError(f"{where}: expected a table of keys (got {table!r})")
     known = {f.name: f for f in fields(target)}
     for key, value in table.items():
         if key not in known and key in RENAMED_KEYS and "epsilon" in known:
@@ -166,6 +169,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def load_config(profile: str = "default", config_file: str = "", overrides: list[str] = (),
                 gates_file: str = "", **named: Any) -> RunConfig:
     """Build and validate a RunConfig. `named` holds CLI flags (None = not given)."""
+    for name, value in (("profile", profile), ("config_file", config_file),
+                        ("gates_file", gates_file)):
+        if not isinstance(value, (str, os.PathLike)):
+            raise InputError(f"{name}: expected a name or path (got {value!r})")
+    if isinstance(overrides, (str, bytes)) or not all(isinstance(o, str) for o in overrides):
+        raise InputError(f"overrides: expected a list of 'key=value' strings (got {overrides!r})")
+    config_file, gates_file = os.fspath(config_file), os.fspath(gates_file)
     config = RunConfig()
     _apply(config, _profile_table(profile), f"profile {profile}")
     config.profile = profile
@@ -191,7 +201,7 @@ def _apply_sources(config: RunConfig, config_file: str, gates_file: str, overrid
         _apply(config.gates, _read_gates_file(gates_file), f"{gates_file} [gates]")
         _check_gates(config, gates_file)
     if task_flag is not None:
-        _switching_task(config, lambda: _apply(config.task, task_flag, "--task"), False)
+        _switching_task(config, lambda: _apply(config.task, task_flag, "task (--task)"), False)
     for text in overrides:
         keys, value = parse_override(text)
         if keys == ["steps"]:

@@ -26,6 +26,37 @@ def _leaves(config: RunConfig) -> list[tuple[str, Any]]:
     return [(name, value) for name, value in flatten(config.to_dict()).items()]
 
 
+# What each annotated field type takes: a RunConfig built or changed in code (the Python API)
+# is checked against its schema before any other rule compares or uses a value. A float field
+# takes an int (1 and 1.0 are the same learning rate); an int field never takes a float or a
+# bool (2.5 tokens is no budget, and True is not a count).
+_TYPE_RULES = {
+    "int": ("a whole number (int)", lambda v: type(v) is int),
+    "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "bool": ("true or false (bool)", lambda v: isinstance(v, bool)),
+    "dict": ("a table (dict)", lambda v: isinstance(v, dict)),
+    "list": ("a list", lambda v: isinstance(v, list)),
+}
+
+
+def check_types(node, prefix: str = "") -> None:
+    """InputError naming the first field of `node` (a RunConfig or one of its tables) whose
+    value is not of its schema's type; a table's fields are checked in turn."""
+    for spec in dataclasses.fields(node):
+        value, name = getattr(node, spec.name), f"{prefix}{spec.name}"
+        table = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(table):
+            if type(value) is not type(table):
+                raise InputError(f"config: {name} must be a table of {type(table).__name__} "
+                                 f"keys (got {value!r})")
+            check_types(value, f"{name}.")
+            continue
+        what, fits = _TYPE_RULES[spec.type]
+        if not fits(value):
+            raise InputError(f"config: {name} must be {what} (got {value!r})")
+
+
 def validate(config: RunConfig) -> RunConfig:
     """Raise InputError with a how-to-fix message for the first broken invariant."""
 
@@ -33,6 +64,7 @@ def validate(config: RunConfig) -> RunConfig:
         if not ok:
             raise InputError(f"config: {message}")
 
+    check_types(config)
     for name, value in _leaves(config):
         need(not isinstance(value, float) or math.isfinite(value),
              f"{name} must be a finite number (got {value!r})")
