@@ -75,6 +75,9 @@ def validate(config: RunConfig) -> RunConfig:
     need(label_is_a_name(config.label), f"label {config.label!r} must be a name (no / or \\, "
          "not . or ..): the run directory is runs/LABEL; use --out DIR for a path")
     need(0 <= config.lora_dropout < 1, f"lora_dropout must be in [0, 1) (got {config.lora_dropout})")
+    need(plain_targets(config.lora_target_modules), f"lora_target_modules must be "
+         f"\"{ALL_LINEAR}\" or a comma list of module names (letters, digits, _ and ., at "
+         f"most {MAX_NAME_CHARS} each), never a pattern (got {config.lora_target_modules!r})")
     need(config.group_size >= 2, f"group_size must be >= 2 (got {config.group_size}): "
          "a group-relative advantage needs at least two completions per prompt")
     need(config.eval_group_size >= 1, "eval_group_size must be >= 1")
@@ -107,9 +110,6 @@ def validate(config: RunConfig) -> RunConfig:
          f"task.source must be 'reasoning-gym' or 'gsm8k' (got {config.task.source!r})")
     need(config.task.source != "gsm8k" or bool(config.task.path),
          "task.path is required for gsm8k: a directory with train.jsonl/test.jsonl, a .jsonl file "
-    need(plain_targets(config.lora_target_modules), f"lora_target_modules must be "
-         f"\"{ALL_LINEAR}\" or a comma list of module names (letters, digits, _ and ., at "
-         f"most {MAX_NAME_CHARS} each), never a pattern (got {config.lora_target_modules!r})")
          "or a Hugging Face dataset id")
     unknown = [name for name in config.report_to if name not in REPORTERS]
     need(not unknown, f"report_to: unknown tracker {', '.join(map(repr, unknown))}; known: "
