@@ -118,7 +118,8 @@ def test_a_string_at_the_field_limit_parses_and_one_past_it_is_refused_naming_th
     assert parse_json(json.dumps({"completion": at_limit}), "f.json") == {"completion": at_limit}
     with pytest.raises(InputError) as refusal:
         parse_json(json.dumps({"completion": at_limit + "a"}), "f.json")
-    assert str(refusal.value) == f'f.json: field "completion": a string of 4194305 characters, {LIMIT}'
+    assert str(refusal.value) == (
+        f'f.json: field "completion": a string of 4194305 characters, {LIMIT}')
     # An array element has no key: its offset names it. '[1, "' -> the quote is character 4.
     with pytest.raises(InputError) as refusal:
         parse_json(json.dumps([1, at_limit + "a"]), "f.jsonl:3")

@@ -52,7 +52,7 @@ def check_types(node, prefix: str = "") -> None:
                                  f"keys (got {value!r})")
             check_types(value, f"{name}.")
             continue
-        what, fits = _TYPE_RULES[spec.type]
+        what, fits = _TYPE_RULES.get(spec.type, ("", lambda v: True))  # others: their own rules
         if not fits(value):
             raise InputError(f"config: {name} must be {what} (got {value!r})")
 
