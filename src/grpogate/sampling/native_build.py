@@ -14,6 +14,7 @@ descriptor that was hashed.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -130,6 +131,21 @@ def build_library(root: Path) -> tuple[int | None, Path | None, str]:
         problem = private_directory(directory)
         if problem is not None:
             return None, None, f"the cache directory {directory} {problem}"
+    try:
+        lock = os.open(target.parent / ".build.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW,
+                       0o600)
+    except OSError as error:
+        return None, None, f"{target.parent}/.build.lock cannot be opened ({error.strerror})"
+    try:
+        # Processes started together (torchrun's ranks) build one at a time: the later ones
+        # find the library built and recorded, never one's library beside another's record.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _verified_or_built(found[0], target)
+    finally:
+        os.close(lock)
+
+
+def _verified_or_built(compiler: str, target: Path) -> tuple[int | None, Path | None, str]:
     fd, problem = _verified(target)
     if fd is not None:
         return fd, target, ""
@@ -138,7 +154,7 @@ def build_library(root: Path) -> tuple[int | None, Path | None, str]:
               file=sys.stderr)
     else:
         LOG.info(f"building the native kernels into {target.parent} (once per machine)")
-    problem = _compile(found[0], target)
+    problem = _compile(compiler, target)
     if problem:
         return None, None, problem
     fd, problem = _verified(target)
