@@ -195,6 +195,24 @@ def test_a_writer_refuses_a_fifo_or_link_in_its_place(tmp_path):
     assert target.read_bytes() == PRECIOUS
 
 
+def test_the_tensorboard_folder_of_a_run_is_never_a_planted_link(tmp_path):
+    from types import SimpleNamespace
+
+    from grpogate.errors import InputError
+    from grpogate.evidence.trackers import Trackers
+
+    pytest.importorskip("tensorboard", reason="the trackers extra is not installed")
+    elsewhere = tmp_path / "outside" / "events"
+    elsewhere.mkdir(parents=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tensorboard").symlink_to(elsewhere)
+    config = SimpleNamespace(tensorboard="", report_to=["tensorboard"], to_dict=dict)
+    with pytest.raises(InputError, match="tensorboard: not a real folder"):
+        Trackers(config, run, "label")
+    assert list(elsewhere.iterdir()) == []
+
+
 # --- readers: a checkpoint's state.json -----------------------------------------------------------
 
 def planted_state(tmp_path: Path, plant) -> Path:

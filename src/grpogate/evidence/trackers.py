@@ -23,6 +23,7 @@ from pathlib import Path
 
 from grpogate.config import flatten
 from grpogate.errors import InputError
+from grpogate.files import run_folder
 
 # Tag -> key of a training step record (training/loop.py); list values are per optimizer
 # step within the training step and are logged as their mean.
@@ -176,6 +177,10 @@ class Trackers:
 
     def __init__(self, config, run_dir: Path, run_label: str):
         log_dir = Path(config.tensorboard) if config.tensorboard else run_dir / "tensorboard"
+        if not config.tensorboard and "tensorboard" in requested(config):
+            # The run directory's own folder, made or opened as files.run_folder opens it: a
+            # `tensorboard` symlink planted in a resumed run is refused, never written through.
+            os.close(run_folder(run_dir, "tensorboard", create=True))
         settings = config.to_dict()
         self.opened = []
         try:
