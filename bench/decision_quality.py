@@ -1,0 +1,303 @@
+"""How often is the decision wrong? The re-test's gates on resampled re-tests of real completions.
+
+    python bench/decision_quality.py --work-dir DIR [--candidate ADAPTER_DIR ...]
+        [--exclude-run RUN_DIR] [--eval-pool 2048] [--eval-samples 8] [--guard-pool 100]
+        [--guard-samples 8] [--draws 2000] [--seed 0] [--pools-only]
+    python bench/decision_quality.py --work-dir DIR --quick
+
+Each policy (the baseline, a null candidate this script builds, every --candidate adapter)
+answers a pool of eval prompts and a pool of guard prompts, several samples each, through
+`grpogate eval`'s own code path (`review.standalone_eval.evaluate_standalone`: the run's
+sampling settings, verifier and re-test seed, so sample k of a prompt has the same seed for
+every policy). Pools are cached in DIR/pools as JSONL, keyed by the policy's identity (base
+model and adapter weights' sha256) and the pool design, and generated once. The re-test
+design (eval_prompts x eval_group_size, guard.prompts x guard.group_size) and the gates are
+the default profile's (`config.load_config`). `decision_resample` draws that design from the
+pools --draws times and judges every draw with the product's evidence assembly and
+`decide_run`. The results go to DIR/decision_quality.json and DIR/decision_quality.md.
+
+The null candidate is a PEFT LoRA adapter saved with every B = 0 (grpogate's own fresh
+adapter, `inputs.policy.save_adapter`): its own file and hash, the baseline's function.
+--exclude-run skips a run's training prompts while drawing the eval pool (its candidates'
+true gains are then on prompts they never trained on). The default guard task (products of
+two one-digit numbers) has exactly 100 distinct problems, so --guard-pool 100 is the whole
+population. --quick runs everything on a tiny random Llama with tiny pools, in seconds: it
+proves the machinery and measures nothing about the product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import decision_resample  # noqa: E402
+
+POOL_KIND = "grpogate-decision-pool"
+FULL = {"eval_pool": 2048, "eval_samples": 8, "guard_pool": 100, "guard_samples": 8,
+        "draws": 2000}
+QUICK = {"eval_pool": 8, "eval_samples": 4, "guard_pool": 6, "guard_samples": 4, "draws": 30}
+QUICK_OVERRIDES = ["eval_prompts=4", "eval_group_size=2", "guard.prompts=3",
+                   "guard.group_size=2", "max_new_tokens=8", "train_prompts=4",
+                   "prompts_per_step=2", "group_size=4", "lora_r=4", "generation_batch_size=16",
+                   "device=cpu", "dtype=float32"]
+
+
+def tiny_model(directory: Path) -> Path:
+    """A random 2-layer Llama (hidden size 64) with the bundled SmolLM2 tokenizer, built once
+    into `directory` as tests/conftest.py builds the test suite's."""
+    if (directory / "config.json").is_file():
+        return directory
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from grpogate.config import BUNDLED_MODEL, RunConfig
+    from grpogate.inputs.policy import default_cache_dir, resolve_base_model
+
+    source = resolve_base_model(BUNDLED_MODEL, "", default_cache_dir(RunConfig()))
+    tokenizer = AutoTokenizer.from_pretrained(source.load_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.eos_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def study_config(quick: bool, work_dir: Path, model: str | None):
+    """The default profile's config (its re-test design and gates); --quick: tiny sizes on the
+    tiny model."""
+    from grpogate.config import load_config
+
+    if quick:
+        import torch
+
+        torch.set_num_threads(1)  # the tiny model's kernels gain nothing from threads
+        model = model or str(tiny_model(work_dir / "tiny-model"))
+        return load_config("default", overrides=QUICK_OVERRIDES, model=model)
+    return load_config("default", model=model)
+
+
+def null_candidate(config, directory: Path) -> Path:
+    """grpogate's fresh LoRA adapter (random A, B = 0) saved as a PEFT adapter: a distinct
+    file and hash computing exactly the baseline's function (x W + s x B A x = x W)."""
+    from grpogate.files.tensors import lora_b_all_zero
+    from grpogate.inputs.policy import ADAPTER_WEIGHTS, load_policy, save_adapter
+
+    weights = directory / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        policy = load_policy(dataclasses.replace(config, adapter="", baseline_manifest=""),
+                             seed=config.seed + 1)
+        save_adapter(policy, directory)
+    if not lora_b_all_zero(weights):
+        raise SystemExit(f"error: {directory}: a LoRA B tensor is nonzero; not a null candidate")
+    return directory
+
+
+def perturbed_candidate(null_dir: Path, directory: Path, scale: float = 0.05) -> Path:
+    """--quick only: the null adapter with random B (seeded), a candidate whose function
+    differs from the baseline's, so the quick study has a non-degenerate candidate."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from grpogate.inputs.policy import ADAPTER_WEIGHTS
+
+    if (directory / ADAPTER_WEIGHTS).is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copy(null_dir / "adapter_config.json", directory / "adapter_config.json")
+    generator = torch.Generator().manual_seed(1)
+    tensors = {name: (torch.randn(t.shape, generator=generator, dtype=t.dtype) * scale
+                      if "lora_B" in name else t)
+               for name, t in load_file(null_dir / ADAPTER_WEIGHTS).items()}
+    save_file(tensors, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    return directory
+
+
+def pool_design(config, sizes: dict, exclude_run: str | None) -> dict:
+    """What a pool depends on besides the policy: the pool sizes, the tasks, the sampling."""
+    return {"eval_pool": sizes["eval_pool"], "eval_samples": sizes["eval_samples"],
+            "guard_pool": sizes["guard_pool"], "guard_samples": sizes["guard_samples"],
+            "task": dataclasses.asdict(config.task), "guard": dataclasses.asdict(config.guard),
+            "seed": config.seed, "max_new_tokens": config.max_new_tokens,
+            "temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
+            "min_p": config.min_p, "max_prompt_tokens": config.max_prompt_tokens,
+            "system_prompt": config.resolved_system_prompt(), "dtype": config.dtype,
+            "exclude_run": exclude_run}
+
+
+def pool_key(config, adapter: str, design: dict) -> str:
+    """The cache key: the base model, the adapter weights' sha256 and the pool design."""
+    from grpogate.files import sha256_path
+    from grpogate.inputs.policy import ADAPTER_WEIGHTS
+
+    identity = {"model": config.model, "adapter_sha256":
+                sha256_path(Path(adapter) / ADAPTER_WEIGHTS) if adapter else None,
+                "design": design}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _set_configs(config, adapter: str, design: dict):
+    """The eval pool's and the guard pool's configs: the run's, with the pool as the eval set
+    (the guard pool: the guard task, its verifier and the run's system prompt)."""
+    from grpogate.config import TaskConfig, validate
+
+    base = dataclasses.replace(config, adapter=adapter, baseline_manifest="",
+                               eval_prompts=design["eval_pool"],
+                               eval_group_size=design["eval_samples"])
+    guard_task = TaskConfig(source="reasoning-gym", name=config.guard.task,
+                            params=dict(config.guard.params), eval_seed=config.guard.seed)
+    guard = dataclasses.replace(base, task=guard_task, eval_prompts=design["guard_pool"],
+                                eval_group_size=design["guard_samples"],
+                                verifier=config.guard.verifier(),
+                                system_prompt=config.resolved_system_prompt())
+    return {"eval": validate(base), "guard": validate(guard)}
+
+
+def generate_pool(config, name: str, adapter: str, design: dict) -> list[dict]:
+    """The policy's pool as JSONL lines: a header, then one line per prompt and set with its
+    samples' rewards, texts, token counts and truncation flags (in sample order)."""
+    from grpogate.review.standalone_eval import evaluate_standalone
+    from grpogate.seeding import eval_seed
+
+    lines, header = [], {"kind": POOL_KIND, "policy": name, "design": design, "seconds": {}}
+    for set_name, set_config in _set_configs(config, adapter, design).items():
+        skip = design["exclude_run"] if set_name == "eval" else None
+        document = evaluate_standalone(set_config, name, eval_seed(config.seed), skip_run=skip)
+        header["identity"] = document["policy"]
+        header["seconds"][set_name] = document["seconds"]["evaluation"]
+        header.setdefault("completions", {})[set_name] = len(document["records"])
+        by_prompt: dict[str, list[dict]] = {}
+        for record in document["records"]:
+            by_prompt.setdefault(record["prompt_id"], []).append(record)
+        for prompt_id in document["prompt_ids"]:
+            samples = sorted(by_prompt[prompt_id], key=lambda r: r["sample_index"])
+            lines.append({"set": set_name, "prompt_id": prompt_id,
+                          "rewards": [r["reward"] for r in samples],
+                          "texts": [r["completion"] for r in samples],
+                          "tokens": [r["completion_tokens"] for r in samples],
+                          "hit": [r["hit_max_length"] for r in samples]})
+    return [header, *lines]
+
+
+def load_pool(config, name: str, adapter: str, design: dict, work_dir: Path) -> dict:
+    """The policy's pool from DIR/pools/<key>.jsonl, generated and written first when absent;
+    {"header", "eval", "guard"} with each set's prompt ids, rewards [P][S], texts, ..."""
+    from grpogate.files import atomic_write_bytes, jsonl_bytes, read_jsonl
+
+    path = work_dir / "pools" / f"{pool_key(config, adapter, design)}.jsonl"
+    if not path.is_file():
+        print(f"generating the pool of {name} ...", flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, jsonl_bytes(generate_pool(config, name, adapter, design)))
+    header, *lines = read_jsonl(path)
+    if header.get("kind") != POOL_KIND or header.get("design") != design:
+        raise SystemExit(f"error: {path}: not this study's pool (kind or design differs)")
+    pool = {"header": header}
+    for set_name in decision_resample.SETS:
+        rows = [line for line in lines if line["set"] == set_name]
+        pool[set_name] = {key: [row[field] for row in rows] for key, field in (
+            ("prompt_ids", "prompt_id"), ("rewards", "rewards"), ("texts", "texts"),
+            ("tokens", "tokens"), ("hit", "hit"))}
+    return pool
+
+
+def study(work_dir: Path, candidates: list[str], sizes: dict, seed: int, quick: bool,
+          exclude_run: str | None, model: str | None, pools_only: bool = False) -> dict:
+    """Every policy's pool, then `draws` resampled re-tests of each candidate (none with
+    `pools_only`: the pools and their generation rate alone)."""
+    config = study_config(quick, work_dir, model)
+    design = pool_design(config, sizes, exclude_run)
+    null_dir = null_candidate(config, work_dir / "null-candidate")
+    policies = [("null candidate", str(null_dir))]
+    if quick:
+        policies.append(("perturbed (quick)",
+                         str(perturbed_candidate(null_dir, work_dir / "perturbed-candidate"))))
+    policies += [(f"candidate {path}", path) for path in candidates]
+    started = time.monotonic()
+    baseline = load_pool(config, "baseline", "", design, work_dir)
+    pools = [(name, load_pool(config, name, adapter, design, work_dir))
+             for name, adapter in policies]
+    generation_seconds = time.monotonic() - started
+    settings = config.to_dict()
+    if pools_only:
+        return {"pools_only": True, "pool_design": design,
+                "generation": generation_rates([baseline] + [pool for _, pool in pools])}
+    results = [{"policy": decision_resample.SELF, "identity": baseline["header"]["identity"],
+                **decision_resample.study_policy(baseline, baseline, settings, sizes["draws"],
+                                                 seed, disjoint=True)}]
+    for name, pool in pools:
+        results.append({"policy": name, "identity": pool["header"]["identity"],
+                        **decision_resample.study_policy(baseline, pool, settings,
+                                                         sizes["draws"], seed)})
+    return {"quick": quick, "design": {**sizes, "eval_prompts": config.eval_prompts,
+                                       "eval_group_size": config.eval_group_size,
+                                       "guard_prompts": config.guard.prompts,
+                                       "guard_group_size": config.guard.group_size},
+            "pool_design": design, "gates": settings["gates"], "results": results,
+            "generation": generation_rates([baseline] + [pool for _, pool in pools]),
+            "seconds": {"pools": generation_seconds,
+                        "resampling": time.monotonic() - started - generation_seconds}}
+
+
+def generation_rates(pools: list[dict]) -> dict:
+    """Completions per second of every pool generated (the cached ones carry theirs too)."""
+    completions = sum(sum(p["header"]["completions"].values()) for p in pools)
+    seconds = sum(sum(p["header"]["seconds"].values()) for p in pools)
+    return {"completions": completions, "seconds": seconds,
+            "completions_per_second": completions / seconds if seconds else None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", type=Path, required=True)
+    parser.add_argument("--candidate", action="append", default=[], metavar="ADAPTER_DIR")
+    parser.add_argument("--baseline", default=None, metavar="MODEL",
+                        help="the base model (default: the default profile's, the bundled one)")
+    parser.add_argument("--exclude-run", default=None, metavar="RUN_DIR")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help="the resampler's seed")
+    parser.add_argument("--pools-only", action="store_true",
+                        help="generate (or read) the pools and state their rate; no resampling")
+    for key in FULL:
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
+    args = parser.parse_args(argv)
+    sizes = {key: getattr(args, key) or (QUICK if args.quick else FULL)[key] for key in FULL}
+    from grpogate.errors import InputError, visible
+
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        result = study(args.work_dir, args.candidate, sizes, args.seed, args.quick,
+                       args.exclude_run, args.baseline, args.pools_only)
+    except InputError as error:
+        raise SystemExit(f"error: {visible(error)}") from None
+    if args.pools_only:
+        print(json.dumps(result["generation"]), flush=True)
+        return
+    table = decision_resample.markdown(result["results"], result["design"])
+    (args.work_dir / "decision_quality.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.work_dir / "decision_quality.md").write_text(table)
+    rate = result["generation"]["completions_per_second"]
+    for line in table.splitlines():  # run-derived text (paths, names): control characters shown
+        print(visible(line), flush=True)
+    print(f"pools: {result['generation']['completions']} completions, "
+          f"{rate if rate is None else round(rate, 2)} completions/s; resampling "
+          f"{result['seconds']['resampling']:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The decision study (bench/decision_quality.py, bench/decision_resample.py): the resampler's
+draws against an enumerable design, the gain test's false-pass rate and the interval's
+coverage on a synthetic Bernoulli population, the null candidate, and --quick end to end.
+
+Every frequency is checked against its exact value with a tolerance of 4 binomial standard
+errors at the number of draws (a false failure about once in 16,000 runs per check).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import decision_resample  # noqa: E402
+
+
+def _tolerance(probability: float, draws: int) -> float:
+    return 4.0 * math.sqrt(probability * (1.0 - probability) / draws)
+
+
+def _pool(rewards: list[list[float]], prefix: str) -> dict:
+    return {"prompt_ids": [f"{prefix}{i}" for i in range(len(rewards))], "rewards": rewards,
+            "texts": [[f"{prefix}{i}-{k}-{r}" for k, r in enumerate(row)]
+                      for i, row in enumerate(rewards)],
+            "tokens": [[3] * len(row) for row in rewards],
+            "hit": [[False] * len(row) for row in rewards]}
+
+
+def _config(eval_prompts=2, eval_group=2, guard_prompts=2, guard_group=2) -> dict:
+    from grpogate.config import RunConfig
+
+    config = RunConfig().to_dict()
+    config.update(eval_prompts=eval_prompts, eval_group_size=eval_group, max_new_tokens=8)
+    config["guard"].update(prompts=guard_prompts, group_size=guard_group)
+    return config
+
+
+# A hand-made pool: 3 prompts x 3 samples. The design draws 2 prompts x 2 samples, so one draw
+# is one of 3 prompt pairs and, per drawn prompt, one of 3 sample pairs: 27 equally likely draws.
+BASELINE = [[0.0, 0.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+CANDIDATE = [[1.0, 0.0, 1.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0]]
+
+
+def test_the_design_draws_every_prompt_pair_and_sample_pair_equally_often():
+    rng, draws = np.random.default_rng(0), 6000
+    prompt_pairs, sample_pairs = Counter(), Counter()
+    for _ in range(draws):
+        chosen, (samples,) = decision_resample.draw_design(rng, 3, 3, 2, 2)
+        assert len(set(chosen)) == 2 and all(len(set(row)) == 2 for row in samples)
+        prompt_pairs[frozenset(chosen.tolist())] += 1
+        sample_pairs[frozenset(samples[0].tolist())] += 1
+    assert len(prompt_pairs) == 3 and len(sample_pairs) == 3
+    for counts in (prompt_pairs, sample_pairs):
+        for count in counts.values():
+            assert abs(count / draws - 1 / 3) <= _tolerance(1 / 3, draws)
+
+
+def test_two_sides_take_disjoint_samples_of_the_same_prompts():
+    chosen, (first, second) = decision_resample.draw_design(np.random.default_rng(1), 5, 8, 3,
+                                                            4, sides=2)
+    assert len(chosen) == 3
+    for a, b in zip(first, second):
+        assert set(a).isdisjoint(b) and len(set(a) | set(b)) == 8
+    with pytest.raises(ValueError, match="does not fit"):
+        decision_resample.draw_design(np.random.default_rng(1), 5, 7, 3, 4, sides=2)
+
+
+def _exact_gain_distribution() -> Counter:
+    """The reward gain of each of the 27 equally likely draws, enumerated."""
+    exact = Counter()
+    for prompts in itertools.combinations(range(3), 2):
+        for samples in itertools.product(itertools.combinations(range(3), 2), repeat=2):
+            gain = sum(CANDIDATE[p][k] - BASELINE[p][k] for p, pair in zip(prompts, samples)
+                       for k in pair) / 4
+            exact[round(gain, 6)] += 1
+    return exact
+
+
+def test_resampled_reward_gains_follow_the_enumerated_distribution():
+    """The evidence each draw builds (the run's comparison_section) holds the drawn gain; its
+    frequencies match the 27 enumerated draws', and the drawn records pair sample for sample."""
+    baseline = {"eval": _pool(BASELINE, "e"), "guard": _pool(BASELINE, "g")}
+    candidate = {"eval": _pool(CANDIDATE, "e"), "guard": _pool(CANDIDATE, "g")}
+    config, rng, draws = _config(), np.random.default_rng(2), 1500
+    observed = Counter()
+    for _ in range(draws):
+        evidence = decision_resample.draw_evidence(baseline, candidate, config, rng)
+        comparison = evidence["comparison"]
+        assert comparison["baseline"]["prompt_count"] == 2
+        assert comparison["identical_completions"]["pairs"] == 4
+        observed[round(comparison["reward_mean_gain"], 6)] += 1
+    exact = _exact_gain_distribution()
+    assert set(observed) <= set(exact)
+    for gain, count in exact.items():
+        probability = count / 27
+        assert abs(observed[gain] / draws - probability) <= _tolerance(probability, draws)
+    truth = decision_resample.true_gains(baseline, candidate, config)
+    expected = sum(g * c for g, c in exact.items()) / 27  # the design's estimate is unbiased
+    assert truth["reward"]["point"] == pytest.approx(expected)
+
+
+def test_expected_pass_counts_draws_without_replacement():
+    rewards = np.array([[1.0, 0.0, 0.0, 0.0], [0.0] * 4, [1.0] * 4])
+    # one success among 4, two drawn: it is missed by C(3, 2) = 3 of the C(4, 2) = 6 pairs
+    assert decision_resample.expected_pass(rewards, 2).tolist() == [0.5, 0.0, 1.0]
+
+
+def _bernoulli_retest(rng, rates, gain, prompts, group):
+    """One re-test on a synthetic population: per-prompt success rates `rates`, the candidate's
+    rates shifted by `gain` (clipped), independent samples (no shared seeds)."""
+    from grpogate.evidence.metrics import summarize_completions
+
+    chosen = rng.choice(len(rates), size=prompts, replace=False)
+    sides = {}
+    for name, shift in (("baseline", 0.0), ("candidate", gain)):
+        records = [{"policy": name, "prompt_id": f"p{i}", "completion_tokens": 4,
+                    "hit_max_length": False,
+                    "reward": float(rng.random() < min(1.0, max(0.0, rates[i] + shift)))}
+                   for i in chosen for _ in range(group)]
+        sides[name] = summarize_completions(records, group, 8)
+    return sides
+
+
+def test_the_gain_test_false_passes_at_most_its_level_and_the_interval_covers():
+    """Candidate as good as the baseline: the reward gate's test (retest_checks.gain_test, the
+    gate's own) passes at most 2.5 % + 4 SE. True gain +0.10 (every rate shifted, none clipped):
+    the recorded 95 % paired bootstrap interval covers it 95 % +- 4 SE of the time."""
+    from grpogate.evidence.metrics import paired_bootstrap
+    from grpogate.evidence.retest_checks import gain_test
+    from grpogate.evidence.significance import SIGNIFICANCE_LEVEL, significant
+
+    rng = np.random.default_rng(3)
+    rates = rng.uniform(0.1, 0.8, size=400)  # +0.10 never leaves [0, 1]
+    draws, passes = 600, 0
+    for _ in range(draws):
+        sides = _bernoulli_retest(rng, rates, 0.0, 64, 4)
+        test = gain_test({"baseline": sides["baseline"], "candidate": sides["candidate"]},
+                         "reward_mean_gain", 0.0)
+        passes += significant(test)
+    assert passes / draws <= SIGNIFICANCE_LEVEL + _tolerance(SIGNIFICANCE_LEVEL, draws)
+    draws, covered, true_gain = 300, 0, 0.10
+    for _ in range(draws):
+        sides = _bernoulli_retest(rng, rates, true_gain, 64, 4)
+        deltas = [c["mean_reward"] - b["mean_reward"] for b, c in
+                  zip(sides["baseline"]["per_prompt"], sides["candidate"]["per_prompt"])]
+        interval = paired_bootstrap(deltas, resamples=1000, seed=0)
+        covered += interval["low"] <= true_gain <= interval["high"]
+    assert abs(covered / draws - 0.95) <= _tolerance(0.95, draws)
+
+
+def test_study_policy_on_a_synthetic_pool_reads_the_real_gates():
+    """The baseline against itself on disjoint samples: true gains 0, the null candidate-like
+    effective-update row passes (completions differ), every share is a share of the draws."""
+    rng = np.random.default_rng(4)
+    rates = rng.uniform(0.1, 0.8, size=40)
+    rewards = (rng.random((40, 8)) < rates[:, None]).astype(float).tolist()
+    pool = {"eval": _pool(rewards, "e"), "guard": _pool(rewards[:20], "g")}
+    config = _config(eval_prompts=24, eval_group=4, guard_prompts=12, guard_group=4)
+    result = decision_resample.study_policy(pool, pool, config, 40, seed=0, disjoint=True)
+    assert result["truth"]["reward"]["point"] == 0.0
+    assert set(result["p_fail"]) == set(decision_resample.GATES)
+    assert result["p_fail"]["effective_update"] == 0.0
+    assert all(0.0 <= value <= 1.0 for value in result["coverage"].values())
+    identical = decision_resample.study_policy(pool, pool, config, 10, seed=0)
+    assert identical["p_fail"]["effective_update"] == 1.0  # same completions: no update
+    assert identical["p_fail"]["reward"] == 1.0 and identical["p_accept"] == 0.0
+
+
+def test_the_null_candidate_computes_the_baseline_under_another_hash(tiny_config, tmp_path):
+    import torch
+
+    import decision_quality
+    from grpogate.files import sha256_path
+    from grpogate.inputs.policy import ADAPTER_WEIGHTS, load_policy, sampling_weights
+
+    config = tiny_config(tmp_path)
+    directory = decision_quality.null_candidate(config, tmp_path / "null")
+    baseline, null = load_policy(config, seed=0), load_policy(config, adapter=str(directory),
+                                                              seed=0)
+    assert null.baseline_adapter_sha256 == sha256_path(directory / ADAPTER_WEIGHTS)
+    assert null.baseline_version != baseline.baseline_version
+    ids = torch.tensor([[1, 17, 230, 4051, 9, 2]])
+    with torch.no_grad():
+        with sampling_weights(baseline, baseline=True):
+            expected = baseline.model(input_ids=ids).logits
+        with sampling_weights(null, baseline=True):  # the null adapter merged into W
+            merged = null.model(input_ids=ids).logits
+        unmerged = null.model(input_ids=ids).logits  # the same adapter through PEFT's forward
+    assert torch.equal(merged, expected) and torch.equal(unmerged, expected)
+
+
+def test_quick_runs_end_to_end_and_reuses_its_pools(tiny_model_dir, tmp_path, capsys):
+    import decision_quality
+
+    work = tmp_path / "study"
+    arguments = ["--work-dir", str(work), "--quick", "--baseline", str(tiny_model_dir),
+                 "--draws", "6"]
+    decision_quality.main(arguments)
+    result = json.loads((work / "decision_quality.json").read_text())
+    names = [row["policy"] for row in result["results"]]
+    assert names == [decision_resample.SELF, "null candidate", "perturbed (quick)"]
+    null = result["results"][1]
+    assert null["p_fail"]["effective_update"] == 1.0 and null["p_accept"] == 0.0
+    assert null["truth"]["reward"]["point"] == 0.0
+    assert result["generation"]["completions"] == 3 * (8 * 4 + 6 * 4)
+    assert "| null candidate |" in (work / "decision_quality.md").read_text()
+    pools = sorted((work / "pools").iterdir())
+    assert len(pools) == 3
+    capsys.readouterr()
+    decision_quality.main(arguments)  # the pools are read back, not generated again
+    assert "generating" not in capsys.readouterr().out
+    assert sorted((work / "pools").iterdir()) == pools
