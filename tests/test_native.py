@@ -4,13 +4,24 @@ they replace, and the torch path wherever the kernels do not build or do not app
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import platform
+import resource
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpogate.sampling import native
+from grpogate.inputs import cache_dir
+from grpogate.sampling import native, native_build
 from grpogate.sampling.decoding import LeanStepper, ModelStepper, make_stepper
 from grpogate.sampling.lean_weights import lean_decoder
 from grpogate.inputs.policy import load_policy, sampling_weights
@@ -18,6 +29,7 @@ from grpogate.sampling.rollout import SamplingSettings, generate_completions
 from test_decoding import PROMPT_SETS, SIZES, tiny
 
 MASKED = -1e30
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def test_rms_norm_and_silu_mul_by_hand(kernels):
@@ -228,23 +240,185 @@ def test_shapes_the_attention_kernel_is_not_built_for_take_the_torch_step(kernel
     assert make_stepper(model).name == "lean"
 
 
-def test_the_library_is_built_once_per_machine_and_reused(monkeypatch, tmp_path):
+def test_the_library_is_built_once_per_machine_hashed_and_a_truncated_one_rebuilt(
+        monkeypatch, tmp_path):
+    """Built once into an owner-only native/ with an owner-only sha256 record beside it; the
+    second call finds it verified. Truncated, it is caught by the hash before the dynamic
+    loader maps it (no SIGBUS), said on the terminal, rebuilt and loaded."""
     compiles = []
-    real_run = native.subprocess.run
+    real_run = native_build.subprocess.run
 
     def counting_run(command, **options):
         if "-o" in command:
             compiles.append(command)
         return real_run(command, **options)
 
-    monkeypatch.setenv("GRPOGATE_CACHE", str(tmp_path))
-    monkeypatch.setattr(native.subprocess, "run", counting_run)
-    first = native._build()
-    if first is None:
-        pytest.skip("no C++ compiler with OpenMP on this machine")
+    monkeypatch.setattr(native_build.subprocess, "run", counting_run)
+    fd, first, problem = native_build.build_library(tmp_path)
+    if fd is None:
+        pytest.skip(f"no C++ compiler with OpenMP on this machine ({problem})")
+    os.close(fd)
     assert first.parent == tmp_path / "native" and first.is_file()
-    assert native._build() == first and len(compiles) == 1  # the second call finds it built
-    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
+    assert stat.S_IMODE(first.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(first.with_suffix(".sha256").stat().st_mode) == 0o600
+    fd, again, _ = native_build.build_library(tmp_path)
+    os.close(fd)
+    assert again == first and len(compiles) == 1  # the second call finds it built
+    assert sorted(p.name for p in first.parent.iterdir()) == sorted(
+        [".build.lock", first.name, first.with_suffix(".sha256").name])  # no temporary left
+
+    with open(first, "r+b") as handle:
+        handle.truncate(first.stat().st_size // 3)
+    done = _load_in_child(tmp_path)
+    assert done.returncode == 0, done.stderr  # -7 would be SIGBUS
+    assert "does not match the sha256 in its record" in done.stderr
+    assert "rebuilding it" in done.stderr
+    status = json.loads(done.stdout.splitlines()[-1])
+    assert status == {"built": True, "identity": first.stem, "reason": native.VERIFIED}
+
+
+# --- only what grpogate built loads --------------------------------------------------------------
+
+PLANTED_C = """#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) { fputs("planted code ran\\n", f); fclose(f); }
+}
+"""
+MEMORY_CAP = 4 << 30
+CHILD = """
+import json, torch
+from grpogate.inputs import cache_dir
+from grpogate.sampling import native, native_build
+kernels = native.native_kernels(torch.float32, torch.device("cpu"))
+status = native.kernels_identity(torch.float32, torch.device("cpu"))
+assert (kernels is None) == (not status["built"])
+print(json.dumps(status))
+"""
+
+
+def _load_in_child(root: Path, **env: str) -> subprocess.CompletedProcess:
+    """Load the kernels from cache `root` in a fresh process under a memory cap and a timeout:
+    a hostile library kills the child, never the test run."""
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
+
+    environment = {**os.environ, "GRPOGATE_CACHE": str(root), "PYTHONPATH": SRC, **env}
+    environment.pop("GRPOGATE_NATIVE", None)
+    return subprocess.run([sys.executable, "-c", CHILD], env=environment, capture_output=True,
+                          text=True, timeout=300, preexec_fn=cap)
+
+
+def _plant(target: Path, marker: Path) -> None:
+    """A shared library whose constructor writes `marker`, at the kernels' key path."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the planted library")
+    source = target.parent.parent / "planted.c"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    source.write_text(PLANTED_C)
+    subprocess.run([compiler, "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(target),
+                    str(source)], check=True, capture_output=True)
+    source.unlink()
+
+
+@pytest.fixture
+def failing_compiler(tmp_path, monkeypatch) -> Path:
+    """A C++ "compiler" that answers --version and fails every build (error: no build here):
+    a cache's library then loads only if it verifies, and no build takes 20 s."""
+    script = tmp_path / "fake-c++"
+    script.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "fake c++ 1.0"; exit 0; fi\n'
+                      'echo "error: no build here" >&2; exit 1\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("CXX", str(script))
+    return script
+
+
+@pytest.mark.parametrize("shared", ["cache world-writable", "native/ world-writable",
+                                    "native/ of another user", "under a non-sticky shared dir"])
+def test_a_library_planted_in_a_cache_others_can_write_never_runs(shared, tmp_path,
+                                                                   failing_compiler):
+    root = tmp_path / "parent" / "cache"
+    target = native_build.library_path(root)
+    marker = tmp_path / "marker"
+    _plant(target, marker)
+    if shared == "cache world-writable":
+        root.chmod(0o777)
+    elif shared == "native/ world-writable":
+        target.parent.chmod(0o777)
+    elif shared == "native/ of another user":
+        if os.getuid() != 0:
+            pytest.skip("only root can give a directory to another user")
+        os.chown(target.parent, 65534, 65534)
+    else:
+        (tmp_path / "parent").chmod(0o777)
+    done = _load_in_child(root, CXX=str(failing_compiler))
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists()
+    status = json.loads(done.stdout.splitlines()[-1])
+    assert status["built"] is False and status["identity"] == "none"
+    assert status["reason"].startswith("the cache directory ")
+    said = [line for line in done.stderr.splitlines() if "native kernels not used" in line]
+    assert len(said) == 1 and "the torch operations run instead" in said[0]
+    assert target.read_bytes()  # refused, not touched
+
+
+@pytest.mark.parametrize("record", ["no record", "a forged record", "another user's record"])
+def test_a_library_planted_in_an_owner_only_cache_never_runs(record, tmp_path, monkeypatch,
+                                                             failing_compiler):
+    """In the user's own cache, a library without a record this user's grpogate wrote is
+    rebuilt (here the build fails: the torch path, said once), never loaded."""
+    root = tmp_path / "cache"
+    target = native_build.library_path(root)
+    marker = tmp_path / "marker"
+    _plant(target, marker)
+    os.chmod(root, 0o700), os.chmod(target.parent, 0o700)
+    fields = {"library": target.name,
+              "sha256": hashlib.sha256(target.read_bytes()).hexdigest()}
+    if record == "a forged record":
+        target.with_suffix(".sha256").write_text(json.dumps({"fields": fields, "hmac": "0" * 64}))
+        target.with_suffix(".sha256").chmod(0o600)
+    elif record == "another user's record":  # written under another key, then copied here
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "other-user"))
+        cache_dir.record_key.cache_clear()
+        try:
+            cache_dir.write_record(target.with_suffix(".sha256"), fields)
+        finally:
+            cache_dir.record_key.cache_clear()
+        monkeypatch.delenv("XDG_CONFIG_HOME")
+    done = _load_in_child(root, CXX=str(failing_compiler))
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists()
+    assert "is not loaded: its record" in done.stderr and "rebuilding it" in done.stderr
+    status = json.loads(done.stdout.splitlines()[-1])
+    assert status["built"] is False and "error: no build here" in status["reason"]
+    assert done.stderr.count("native kernels not used") == 1
+
+
+def test_the_kernels_build_in_the_configured_cache_dir(tiny_config, tmp_path):
+    """A run's `cache_dir` is where the kernels build, not only $GRPOGATE_CACHE's place."""
+    config = tiny_config(tmp_path, cache_dir=str(tmp_path / "configured"))
+    try:
+        load_policy(config)
+        assert cache_dir.configured_cache_root() == tmp_path / "configured"
+    finally:
+        cache_dir.use_cache_dir("")
+
+
+def test_the_evidence_says_why_the_kernels_did_not_run(monkeypatch):
+    monkeypatch.setenv("GRPOGATE_NATIVE", "0")
+    assert native.kernels_identity(torch.float32, torch.device("cpu")) == {
+        "built": False, "reason": "GRPOGATE_NATIVE=0", "identity": "none"}
+    monkeypatch.delenv("GRPOGATE_NATIVE")
+    assert native.kernels_identity(torch.float16, torch.device("cpu"))["reason"] == (
+        "float16: the kernels are for bfloat16 and float32")
+
+
+def test_the_cpu_identity_names_the_processor():
+    identity = native_build.cpu_identity()
+    assert platform.machine() in identity
+    if Path("/proc/cpuinfo").is_file():
+        assert "model" in identity or "CPU part" in identity
 
 
 def test_row_logsumexp_and_its_backward_by_hand(kernels):
