@@ -116,7 +116,7 @@ def test_rows_render_with_the_baselines_template_and_a_failing_template_refuses(
 
 
 def test_containment_is_one_find_per_eval_prompt_over_one_haystack():
-    """1,000 eval prompts against 10,000 rows of ~600 characters (6 MB) in seconds; the
+    """1,000 eval prompts against 10,000 rows of ~600 characters (6.6 MB) in seconds; the
     planted ones are found with the row that holds them."""
     rng = random.Random(0)
     words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 7)))
@@ -130,7 +130,7 @@ def test_containment_is_one_find_per_eval_prompt_over_one_haystack():
     rows[4321] = ("train:4321", "Answer this. " + eval_set[17].question.upper() + " Thanks")
     started = time.perf_counter()
     seen = shared_prompts(rows, eval_set)
-    assert time.perf_counter() - started < 60  # about 2 s on one core
+    assert time.perf_counter() - started < 60  # 5.3 s measured on one core
     assert [(s.row, s.eval_source) for s in seen] == [("train:4321", "eval:17")]
     assert normalized("A\u00a0 B\u200b\x07C") == "a bc"
 
