@@ -148,6 +148,8 @@ def guard_summary(evidence: dict) -> dict | None:
 
 def record_row(name: str, settings: dict, evidence: dict, wall_seconds: float) -> dict:
     """What the search keeps of one finished run: the evidence's own numbers, nothing recomputed."""
+    from grpogate.evidence import decisions
+
     comparison, paired = evidence["comparison"], evidence["comparison"].get("paired") or {}
     baseline, candidate = comparison["baseline"], comparison["candidate"]
     steps = evidence.get("steps") or []
@@ -157,8 +159,7 @@ def record_row(name: str, settings: dict, evidence: dict, wall_seconds: float) -
         "name": name, "settings": settings, "status": evidence["status"],
         "decision": evidence["decision"]["decision"],
         "failed_checks": evidence["decision"]["failed_checks"],
-        "gain_rule": ("bootstrap lower bound" if config["gates"].get("require_significant_gain")
-                      else "point estimate"),
+        "gain_rule": decisions.gain_rule(config["gates"]),
         "wall_seconds": wall_seconds, "steps": len(steps),
         "eval": {"seed": config["task"]["eval_seed"], "prompts": baseline["prompt_count"],
                  "group_size": config["eval_group_size"]},
@@ -166,6 +167,8 @@ def record_row(name: str, settings: dict, evidence: dict, wall_seconds: float) -
                    "gain": comparison["reward_mean_gain"],
                    **_interval(paired, "reward_mean_gain"),
                    "sign_test_p": ((paired.get("reward_mean_gain") or {}).get("sign_test")
+                                   or {}).get("p_value"),
+                   "gain_test_p": ((paired.get("reward_mean_gain") or {}).get("gain_test")
                                    or {}).get("p_value")},
         "pass_at_group": {"baseline": baseline["pass_at_group"],
                           "candidate": candidate["pass_at_group"],

@@ -63,8 +63,10 @@ def test_record_row_reads_the_evidence_numbers(tmp_path):
     evidence = json.loads((run_dir / "evidence.json").read_text())
     row = default_search.record_row("c", {"learning_rate": 1e-4}, evidence, 12.5)
     assert row["reward"] == {"baseline": 0.125, "candidate": 0.5, "gain": 0.375, "low": 0.25,
-                             "high": 0.5, "sign_test_p": row["reward"]["sign_test_p"]}
-    # Both prompts improve: a two-sided sign test on 2 of 2 gives p = 2 x (1/2)^2 = 0.5.
+                             "high": 0.5, "sign_test_p": row["reward"]["sign_test_p"],
+                             "gain_test_p": 0.25}
+    # Both prompts improve: a two-sided sign test on 2 of 2 gives p = 2 x (1/2)^2 = 0.5; the
+    # one-sided sign-flip gain test, (1/2)^2 = 0.25.
     assert row["reward"]["sign_test_p"] == pytest.approx(0.5)
     assert row["pass_at_group"] == {"baseline": 0.5, "candidate": 1.0, "gain": 0.5, "low": 0.0,
                                     "high": 1.0}
