@@ -127,5 +127,15 @@ def print_audit_lines(audit: dict, verify_key) -> None:
 
 
 def _short(value, limit: int = 80) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else value
+    """`value` as JSON (a string as itself) cut to `limit` characters. Only the chunks shown are
+    encoded (iterencode yields them one at a time): a recorded value of many megabytes is
+    never serialized whole to show 80 characters of it."""
+    if isinstance(value, str):
+        text = value[:limit + 1]
+    else:
+        text = ""
+        for chunk in json.JSONEncoder().iterencode(value):
+            text += chunk[:limit + 1 - len(text)]
+            if len(text) > limit:
+                break
     return text if len(text) <= limit else text[:limit - 3] + "..."
