@@ -13,9 +13,10 @@ from grpogate.config import load_config
 from grpogate.cli.terminal import console, fail, print_json, progress_bars
 from grpogate.errors import InputError, plain
 
-TASK_HELP = ("The task: reasoning-gym:NAME (e.g. reasoning-gym:leg_counting) or gsm8k:PATH "
-             "(directory, .jsonl file or HF dataset id). A new task starts from its "
-             "generator's default params.")
+TASK_HELP = ("The task: reasoning-gym:NAME (e.g. reasoning-gym:leg_counting), gsm8k:PATH "
+             "(directory, .jsonl file or HF dataset id) or dataset:PATH (parquet, JSONL, CSV, "
+             "Arrow or a save_to_disk folder: verl's and TRL's formats). A new task starts from "
+             "its generator's default params.")
 
 
 def eval_policy(

@@ -24,14 +24,21 @@ KEY_HELP = {
     "cache_dir": "where the GGUF is dequantized once; empty: $GRPOGATE_CACHE or ~/.cache/grpogate",
     "dtype": "base weights: float32, bfloat16, or auto (bfloat16 where the hardware has it)",
     "device": "auto, cpu or cuda",
-    "task.source": "where problems come from: reasoning-gym or gsm8k",
+    "task.source": "where problems come from: reasoning-gym, gsm8k or dataset",
     "task.name": "the reasoning-gym dataset (chain_sum, leg_counting, ...)",
     "task.params": "the generator's keyword arguments; reset when the task changes",
-    "task.path": "gsm8k: directory with train/test.jsonl, one .jsonl file or a hub dataset id",
-    "task.train_split": "gsm8k split the training problems are drawn from",
-    "task.eval_split": "gsm8k split the held-out re-test problems are drawn from",
+    "task.path": "gsm8k: directory with train/test.jsonl, one .jsonl file or a hub dataset id; "
+                 "dataset: a parquet/JSONL/CSV/Arrow file, a save_to_disk folder or a hub id",
+    "task.train_split": "gsm8k/dataset split the training problems are drawn from",
+    "task.eval_split": "gsm8k/dataset split the re-test problems are drawn from (a table with "
+                       "one split holds out eval_prompts rows instead)",
     "task.train_seed": "seed of the training problems (reasoning-gym generation or gsm8k rows)",
     "task.eval_seed": "seed of the held-out problems; never overlapping the training set",
+    "task.prompt_field": "dataset: the prompt column, a string or one user chat message",
+    "task.reference_field": "dataset: the reference column (dotted path); answer also finds "
+                            "TRL's solution and verl's reward_model.ground_truth",
+    "task.verifier": "dataset: number (last number equals the reference's) or math "
+                     "(math-verify); empty: number",
     "verifier": "reward verifier; empty: the task's own (reasoning-gym scorer, gsm8k number)",
     "system_prompt": "system message of every prompt; empty: the task's default",
     "train_prompts": "training problems in all (steps x prompts_per_step)",

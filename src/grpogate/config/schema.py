@@ -27,16 +27,24 @@ GSM8K_SYSTEM_PROMPT = (
 class TaskConfig:
     """Where problems come from. Train and eval sets are chosen separately (split or seed)."""
 
-    source: str = "reasoning-gym"  # "reasoning-gym" or "gsm8k"
+    source: str = "reasoning-gym"  # "reasoning-gym", "gsm8k" or "dataset" (inputs/dataset_task.py)
     name: str = "chain_sum"  # reasoning-gym dataset name
     params: dict = field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
     )
-    path: str = ""  # gsm8k: a directory with train/test.jsonl, one .jsonl file, or an HF dataset id
+    # gsm8k: a directory with train/test.jsonl, one .jsonl file, or an HF dataset id; dataset: a
+    # file or folder Hugging Face datasets reads (parquet, JSONL, CSV, Arrow, save_to_disk)
+    path: str = ""
     train_split: str = "train"
     eval_split: str = "test"
     train_seed: int = 1  # reasoning-gym generation seed; for gsm8k the row-sampling seed
     eval_seed: int = 2
+    # dataset: the prompt column (a string or chat messages), the reference column (a dotted
+    # path; "answer" also finds TRL's "solution" and verl's "reward_model.ground_truth"), and
+    # the verifier: "number" (the last number equals the reference's) or "math" (math-verify).
+    prompt_field: str = "prompt"
+    reference_field: str = "answer"
+    verifier: str = ""
 
 
 @dataclass
@@ -176,11 +184,15 @@ class RunConfig:
             return self.verifier
         if self.task.source == "gsm8k":
             return "gsm8k-final-number-v1"
+        if self.task.source == "dataset":
+            return DATASET_VERIFIERS[self.task.verifier or "number"]
         return f"reasoning-gym/{self.task.name}"
 
     def resolved_system_prompt(self) -> str:
         if self.system_prompt:
             return self.system_prompt
+        if self.task.source == "dataset":
+            return ""  # none: the prompt is rendered as TRL renders a dataset's own prompt
         return GSM8K_SYSTEM_PROMPT if self.task.source == "gsm8k" else CHAIN_SUM_SYSTEM_PROMPT
 
     def resolved_epsilon_high(self) -> float:
@@ -195,6 +207,9 @@ def step_count(train_prompts: int, prompts_per_step: int) -> int:
     return train_prompts // prompts_per_step
 
 
+TASK_SOURCES = ("reasoning-gym", "gsm8k", "dataset")
+# task.verifier of a dataset task -> the verifier's name (inputs/verifiers.py)
+DATASET_VERIFIERS = {"number": "gsm8k-final-number-v1", "math": "math-verify-v1"}
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 BUILT_IN_REWARDS = ("correctness", "format", "overlong")  # inputs/rewards.py implements them
 USER_REWARD_PATH = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)

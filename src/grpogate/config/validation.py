@@ -11,7 +11,7 @@ from grpogate.config.schema import (BUILT_IN_REWARDS, DTYPES, IMPORTANCE_SAMPLIN
                                     KL_ESTIMATORS, LOSS_TYPES, LR_SCHEDULER_TYPES,
                                     MAX_REWARD_VALUE, MAX_REWARD_WEIGHT,
                                     MULTI_OBJECTIVE_AGGREGATIONS, REPORTERS, ROLLOUT_CORRECTIONS,
-                                    SCALE_REWARDS,
+                                    SCALE_REWARDS, TASK_SOURCES, DATASET_VERIFIERS,
                                     USER_REWARD_PATH, RunConfig, flatten)
 from grpogate.errors import InputError
 from grpogate.inputs.adapter_patterns import ALL_LINEAR, MAX_NAME_CHARS, plain_targets
@@ -106,11 +106,12 @@ def validate(config: RunConfig) -> RunConfig:
     _validate_objective(config, need)
     need(config.dtype in DTYPES, f"dtype must be one of {DTYPES} (got {config.dtype!r})")
     need(config.device in ("auto", "cpu", "cuda"), "device must be auto, cpu or cuda")
-    need(config.task.source in ("reasoning-gym", "gsm8k"),
-         f"task.source must be 'reasoning-gym' or 'gsm8k' (got {config.task.source!r})")
+    need(config.task.source in TASK_SOURCES,
+         f"task.source must be one of {', '.join(TASK_SOURCES)} (got {config.task.source!r})")
     need(config.task.source != "gsm8k" or bool(config.task.path),
          "task.path is required for gsm8k: a directory with train.jsonl/test.jsonl, a .jsonl file "
          "or a Hugging Face dataset id")
+    _validate_dataset_task(config.task, need)
     unknown = [name for name in config.report_to if name not in REPORTERS]
     need(not unknown, f"report_to: unknown tracker {', '.join(map(repr, unknown))}; known: "
          f"{', '.join(REPORTERS)} (comma-separated, or none)")
@@ -211,3 +212,18 @@ def _validate_guard(config: RunConfig, need) -> None:
          f"guard.group_size >= 1 (got {config.guard.group_size})")
     need(not config.guard.enabled or bool(config.guard.task),
          "guard.task must name a reasoning-gym dataset (e.g. chain_sum), or set guard.prompts = 0")
+
+
+def _validate_dataset_task(task, need) -> None:
+    """A dataset task's table, columns and verifier."""
+    if task.source != "dataset":
+        return
+    need(bool(task.path), "task.path is required for a dataset task: a parquet, JSONL, CSV or "
+         "Arrow file, a save_to_disk folder or a hub dataset id")
+    for name in ("prompt_field", "reference_field"):
+        value = getattr(task, name)
+        need(bool(value) and all(value.split(".")), f"task.{name} must name a column (a dotted "
+             f"path for a nested one; got {value!r})")
+    need(task.verifier in ("", *DATASET_VERIFIERS), f"task.verifier must be one of "
+         f"{', '.join(DATASET_VERIFIERS)} (got {task.verifier!r}); a reward function of your own "
+         "goes in rewards as module:function")

@@ -79,7 +79,7 @@ def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]]
                   references: dict[str, str] | None,
                   expected: Callable[[dict], dict[str, Any]],
                   max_new_tokens: Any, reward_set=None, plan: RescorePlan | None = None,
-                  first_index: int = 0, questions: dict[str, str] | None = None) -> None:
+                  first_index: int = 0, questions: dict | None = None) -> None:
     """Per line: the prompt belongs to the set, identities match, the reward re-scores equal.
     With `reward_set` (training records), every component is re-scored with the run's own
     reward functions (those it takes as recorded excepted) and `reward` must be their weighted
@@ -109,7 +109,7 @@ def check_records(audit: Audit, file_name: str, numbered: list[tuple[int, dict]]
             continue
         sampled = plan is None or plan.covers(first_index + position)
         rescored = rescored_reward(audit, where, record, reference, verifier, reward_set, sampled,
-                                    (questions or {}).get(str(record.get("prompt_id")), ""))
+                                    (questions or {}).get(str(record.get("prompt_id"))))
         if not same_value(record.get("reward"), rescored):
             audit.mismatch(f"{where} reward", record.get("reward"), rescored)
 
@@ -242,7 +242,7 @@ def guard_expected(evidence: dict) -> bool:
 def _reload_references(audit: Audit, evidence: dict, run_dir: Path
                        ) -> tuple[dict[str, dict] | None, dict | None]:
     """Reference answers by prompt id of the stored train, eval and guard sets, and the train
-    set's questions (what a TRL-style reward function is given) (None: unavailable).
+    set's problems (question and columns: what a TRL-style reward is given) (None: unavailable).
 
     Each set must hash (the run's own `problem_set_hash`) to the identity the evidence records
     and hold as many problems as the config asked for."""
@@ -261,7 +261,7 @@ def _reload_references(audit: Audit, evidence: dict, run_dir: Path
         audit.compare(f"{PROBLEMS_FILE} {split}_set size", size, len(stored[split]))
     return ({split: {p.prompt_id: p.reference for p in problems}
              for split, problems in stored.items()},
-            {p.prompt_id: p.question for p in stored["train"]})
+            {p.prompt_id: p for p in stored["train"]})
 
 
 def _check_all_records(audit: Audit, evidence: dict, numbered: dict[str, list],

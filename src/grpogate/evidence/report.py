@@ -115,7 +115,7 @@ def configuration_section(evidence: dict) -> str:
                       f"{config.get('epsilon_high') or config.get('epsilon')}, num_iterations "
                       f"{config.get('num_iterations')}, scale_rewards {config.get('scale_rewards')}"),
         ("model", config.get("model")), ("baseline adapter", config.get("adapter") or "none"),
-        ("task", f"{task.get('source')} {task.get('name') if task.get('source') != 'gsm8k' else task.get('path')} "
+        ("task", f"{task.get('source')} {task.get('path' if task.get('source') in ('gsm8k', 'dataset') else 'name')} "
                  f"params {json.dumps(task.get('params'))}"),
         ("steps x prompts per step x G", f"{steps} x {config.get('prompts_per_step')} x "
                                          f"{config.get('group_size')}"),

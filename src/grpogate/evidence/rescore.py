@@ -224,10 +224,11 @@ def describe(reward_set: RewardSet | None, plan: RescorePlan) -> dict:
 
 
 def rescored_reward(audit, where: str, record: dict, reference: str, verifier,
-                     reward_set, sampled: bool, question: str = "") -> float:
+                     reward_set, sampled: bool, problem=None) -> float:
     """The record's reward recomputed: the verifier's (re-run when `sampled`, else as recorded)
     alone, or with `reward_set` the weighted total of every component, the components compared
-    with the recorded ones. Values taken as recorded must be numbers within the value bound."""
+    with the recorded ones. Values taken as recorded must be numbers within the value bound.
+    `problem`: the stored train problem (its question and columns reach TRL-style rewards)."""
     recorded = record.get("rewards") if isinstance(record.get("rewards"), dict) else {}
     if sampled:
         correctness = verifier.score(record.get("completion"), reference)
@@ -246,6 +247,8 @@ def rescored_reward(audit, where: str, record: dict, reference: str, verifier,
     tokens = record.get("completion_tokens")
     components = reward_set.score(record.get("completion"), reference,
                                   tokens if isinstance(tokens, int) else 0, correctness,
-                                  question=question, recorded=values, taken=taken)
+                                  question=problem.question if problem else "",
+                                  recorded=values, taken=taken,
+                                  columns=problem.columns if problem else "")
     audit.compare(f"{where} rewards", record.get("rewards"), components)
     return reward_set.total(components)

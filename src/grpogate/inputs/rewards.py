@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import importlib
 import linecache
 import math
@@ -247,10 +248,15 @@ class TrlStyleReward:
     def __init__(self, function: Callable) -> None:
         self.function = function
 
-    def __call__(self, completion: Any, reference: Any, question: str = "") -> float | None:
+    def __call__(self, completion: Any, reference: Any, question: str = "",
+                 columns: str = "") -> float | None:
+        # A dataset row's other columns reach the function as keyword arguments, one value per
+        # completion, as TRL passes them; the names grpogate passes itself keep their meaning.
+        extra = {key: [value] for key, value in (json.loads(columns) if columns else {}).items()
+                 if key not in ("prompts", "completions", "reference")}
         values = self.function(prompts=[[{"role": "user", "content": question}]],
                                completions=[[{"role": "assistant", "content": completion}]],
-                               reference=[reference])
+                               reference=[reference], **extra)
         if not isinstance(values, (list, tuple)) or len(values) != 1:
             raise ValueError(f"returned {values!r}, not a list of one reward per completion")
         return values[0]
@@ -275,11 +281,12 @@ class RewardSet:
 
     def score(self, completion: Any, reference: Any, completion_tokens: int,
               correctness: float, question: str = "", recorded: dict | None = None,
-              taken: Collection[str] = ()) -> dict[str, float | None]:
+              taken: Collection[str] = (), columns: str = "") -> dict[str, float | None]:
         """Every component's value; `correctness` is the verifier's reward, scored by the caller
         (the verifier keeps its own error count); an `as_recorded` component's value, and one
         named in `taken`, is `recorded[name]` (the caller checks it is a number or None).
-        `question`: the prompt a TRL-style function receives. A TRL-style function's None
+        `question`: the prompt a TRL-style function receives, `columns` its row's other columns
+        (a dataset task's, JSON text). A TRL-style function's None
         ("not applicable") stays None."""
         values = {}
         for name in self.weights:
@@ -290,15 +297,15 @@ class RewardSet:
                 values[name] = None if value is None else float(value)
             else:
                 values[name] = self._guarded(name, completion, reference, completion_tokens,
-                                             question)
+                                             question, columns)
         return values
 
     def _guarded(self, name: str, completion: Any, reference: Any, tokens: int,
-                 question: str = "") -> float | None:
+                 question: str = "", columns: str = "") -> float | None:
         function = self.functions[name]
         try:
             if isinstance(function, TrlStyleReward):
-                value = call_with_time_limit(function, (completion, reference, question),
+                value = call_with_time_limit(function, (completion, reference, question, columns),
                                              self.user_time_limit_seconds)
                 if value is None:
                     return None

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from grpogate.errors import InputError
 from grpogate.files import parse_json
+from grpogate.inputs import dataset_task
 
 # The official GSM8K answer ends in "#### N"; N may carry thousands separators or a sign.
 # ASCII digits only: the verifier reads 0-9 (its _NUMBER is re.ASCII), so a reference whose
@@ -39,6 +40,9 @@ class Problem:
     question: str
     reference: str  # the reference answer as the verifier expects it
     source: str  # where it came from, e.g. "gsm8k:/abs/train.jsonl:17"
+    # A dataset task's other columns as JSON text (sorted keys), which TRL-signature reward
+    # functions receive as keyword arguments, as TRL passes a row's columns; "" for the rest.
+    columns: str = ""
 
 
 def prompt_id(question: str) -> str:
@@ -281,6 +285,12 @@ def check_isolation(train: list[Problem], eval: list[Problem],
         )
 
 
+def columns_text(columns: dict) -> str:
+    """A row's other columns as the JSON text a Problem carries (the run's and decide's alike);
+    NaN and infinity are refused (ValueError): problems.jsonl is strict JSON."""
+    return json.dumps(columns, sort_keys=True, ensure_ascii=False, allow_nan=False, default=str)
+
+
 def problem_set_hash(problems: list[Problem]) -> str:
     """sha256 over the ordered (prompt id, reference) pairs: the set's identity in the evidence."""
     payload = json.dumps([[p.prompt_id, p.reference] for p in problems], ensure_ascii=False)
@@ -294,7 +304,12 @@ def load_eval_set(task, eval_prompts: int, source: str = "",
     `exclude_ids` (reasoning-gym only): skip these prompts while drawing, as the train set
     skips the eval set's. Seeds far apart do not make two sets disjoint: chain_sum's one-digit
     half has only 200 distinct questions, so any two 64-prompt sets share a few."""
-    if task.source == "gsm8k":
+    if task.source == "dataset":
+        if exclude_ids:
+            raise InputError("skipping given prompts while drawing needs a reasoning-gym task; "
+                             "for a dataset choose another split or task.eval_seed")
+        _, _, problems, identity = dataset_task.load_sets(task, 0, eval_prompts)
+    elif task.source == "gsm8k":
         if exclude_ids:
             raise InputError("skipping given prompts while drawing needs a reasoning-gym task; "
                              "for GSM8K choose another split or seed")
@@ -318,11 +333,17 @@ def load_problem_sets(task, train_prompts: int, eval_prompts: int, train_source:
     first, so the train generator skips its prompts instead of leaking them. `train_source` /
     `eval_source` replace `task.path` for GSM8K (the audit re-reads the files a run recorded).
     """
-    eval_set, eval_id = load_eval_set(task, eval_prompts, eval_source)
+    if task.source == "dataset":  # one read of the table draws both sets
+        train, train_id, eval_set, eval_id = dataset_task.load_sets(task, train_prompts,
+                                                                    eval_prompts)
+        check_problem_set(eval_set, "eval")
+        eval_id["problem_set_sha256"] = problem_set_hash(eval_set)
+    else:
+        eval_set, eval_id = load_eval_set(task, eval_prompts, eval_source)
     if task.source == "gsm8k":
         train, train_id = load_gsm8k(train_source or task.path, task.train_split, train_prompts,
                                      task.train_seed)
-    else:
+    elif task.source == "reasoning-gym":
         train, train_id = load_reasoning_gym(task.name, task.params, train_prompts,
                                              task.train_seed,
                                              frozenset(p.prompt_id for p in eval_set))
@@ -359,10 +380,14 @@ def problem_records(task, train: list[Problem], eval_set: list[Problem],
     origin = {"source": task.source}
     if task.source == "gsm8k":
         origin |= {"path": task.path}
+    elif task.source == "dataset":
+        origin |= {"path": task.path, "prompt_field": task.prompt_field,
+                   "reference_field": task.reference_field}
     else:
         origin |= {"name": task.name, "params": dict(task.params)}
     records = [{"prompt_id": problem.prompt_id, "split": split, "question": problem.question,
-                "reference": problem.reference, "origin": problem.source, "task": origin}
+                "reference": problem.reference, "origin": problem.source, "task": origin,
+                **({"columns": json.loads(problem.columns)} if problem.columns else {})}
                for split, problems in (("train", train), ("eval", eval_set))
                for problem in problems]
     if guard_set:
@@ -400,8 +425,10 @@ def stored_sets(records: list[tuple[int, dict]], where: str,
         if record.get("prompt_id") != prompt_id(question):
             raise InputError(f"{where}:{number}: prompt_id {record.get('prompt_id')!r} is not "
                              f"the hash of its question ({prompt_id(question)})")
+        columns = record.get("columns")
         sets[split].append(Problem(prompt_id(question), question, reference,
-                                   str(record.get("origin", ""))))
+                                   str(record.get("origin", "")),
+                                   columns_text(columns) if isinstance(columns, dict) else ""))
     for split, problems in sets.items():
         # The guard list is empty when the guard was off; the train list when a run gated from
         # another trainer was not given its training prompts (`allow_empty_train`).

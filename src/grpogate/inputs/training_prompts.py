@@ -2,9 +2,10 @@
 
 `grpogate gate` checks that the eval prompts are unseen in training, as a grpogate run does.
 Only the user can say what the foreign trainer saw: its dataset file (`--train-data`, JSONL rows
-as TRL's GRPOTrainer takes them), or the config's own train split (a TRL run fed grpogate's
-train set, as bench/trl_side.py does). Neither given: None, and the evidence says isolation was
-not checked.
+as TRL's GRPOTrainer takes them, or any table a dataset task reads -- parquet as verl keeps it,
+CSV, Arrow, a save_to_disk folder -- loaded by Hugging Face datasets), or the config's own
+train split (a TRL run fed grpogate's train set, as bench/trl_side.py does). Neither given:
+None, and the evidence says isolation was not checked.
 
 A row's training text is exactly what TRL trains on (trl 1.16: GRPOTrainer reads each row's
 `prompt` column; `trl.data_utils.is_conversational` calls it conversational when it is a list
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from grpogate.errors import InputError
-from grpogate.inputs import isolation, tasks
+from grpogate.inputs import dataset_task, isolation, tasks
 
 MAX_TRAIN_FILE_BYTES = 512 * 1024 * 1024
 # (chat messages, where) -> the text the trainer's chat template renders from them.
@@ -95,19 +96,38 @@ def _lines(path: str) -> list[str]:
         raise InputError(f"--train-data {path}: not UTF-8 text ({error.reason})") from None
 
 
+def _jsonl_rows(path: str):
+    for number, line in enumerate(_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{number}", json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            raise InputError(f"{path}:{number}: not a JSON object") from None
+
+
+def _rows(path: str):
+    """(where, row) of every training row: a .jsonl file line by line, any other table a
+    dataset task reads (parquet, CSV, Arrow, a save_to_disk folder) through Hugging Face
+    datasets, every split, so that the same rule reads verl's and TRL's files."""
+    if path.lower().endswith(".jsonl") or not Path(path).exists():
+        yield from _jsonl_rows(path)
+        return
+    if Path(path).is_file() and Path(path).stat().st_size > MAX_TRAIN_FILE_BYTES:
+        raise InputError(f"--train-data {path}: larger than {MAX_TRAIN_FILE_BYTES} bytes")
+    splits, _ = dataset_task.read_splits(path)
+    for split, dataset in splits.items():
+        shown = path if len(splits) == 1 else f"{path} split {split}"
+        for number, row in enumerate(dataset, 1):
+            yield f"{shown}: row {number}", row
+
+
 def read_train_data(path: str, render: Render) -> tuple[list[tasks.Problem], list[tuple[str, str]]]:
     """(the training prompts of a JSONL file, each once: a problem's question is the text TRL
     trains on; the (row, text) pairs the isolation check searches)."""
     problems: dict[str, tasks.Problem] = {}
     searched: dict[str, str] = {}  # text -> its first row: a repeated text is searched once
-    for number, line in enumerate(_lines(path), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            raise InputError(f"{where}: not a JSON object") from None
+    for where, row in _rows(path):
         text, texts = training_text(row, where, render)
         problem = tasks.Problem(tasks.prompt_id(text), text, _reference(row), where)
         problems.setdefault(problem.prompt_id, problem)

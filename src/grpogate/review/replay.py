@@ -26,7 +26,9 @@ from grpogate.config import BUNDLED_MODEL, resume_config
 from grpogate.errors import InputError, first_line
 from grpogate.evidence.assemble import library_versions
 from grpogate.evidence.audit import reload_problem_sets
+from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.files import ADAPTER_WEIGHTS, lies_inside, parse_json, read_confined, read_jsonl
+from grpogate.inputs.tasks import problem_set_hash, stored_sets
 from grpogate.inputs.policy import (TRAINABLE, current_version, load_adapter_state, load_policy)
 from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import StopRequest
@@ -69,7 +71,7 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
     torch.set_num_threads(int((evidence.get("environment") or {}).get("torch_threads")
                               or torch.get_num_threads()))
     policy = _delivered_policy(run_dir, evidence, config)
-    _, _, eval_set, _ = reload_problem_sets(evidence["config"], evidence["inputs"])
+    eval_set = _eval_set(run_dir, evidence)
     problems = eval_set[:count]
     # All eval prompts are encoded: the decoder's shared prefix is fixed over the whole set, as
     # in the run (a prefix of only the first prompts could be longer and round differently).
@@ -98,6 +100,21 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
     return {"prompts": count, "compared": len(replayed), "equal": equal,
             "environment_matches": not differences, "environment_differences": differences,
             "mismatches": mismatches if not differences else []}
+
+
+def _eval_set(run_dir: Path, evidence: dict) -> list:
+    """The run's eval problems: a dataset task's from the run directory's problems.jsonl (the
+    table it was drawn from may have changed or gone; the directory is what decide trusts),
+    hashed against the recorded identity; a generated or GSM8K task's regenerated."""
+    if (evidence["config"].get("task") or {}).get("source") != "dataset":
+        return reload_problem_sets(evidence["config"], evidence["inputs"])[2]
+    numbered = list(enumerate(read_jsonl(run_dir / PROBLEMS_FILE), 1))
+    eval_set = stored_sets(numbered, PROBLEMS_FILE)["eval"]
+    recorded = (evidence["inputs"].get("eval_set") or {}).get("problem_set_sha256")
+    if problem_set_hash(eval_set) != recorded:
+        raise InputError(f"{run_dir}/{PROBLEMS_FILE}: its eval set does not hash to the "
+                         "recorded inputs.eval_set.problem_set_sha256; cannot replay from it")
+    return eval_set
 
 
 def _environment_differences(recorded: dict, config) -> dict:

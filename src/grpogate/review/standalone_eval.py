@@ -49,10 +49,11 @@ def parse_tasks_spec(spec: str) -> dict[str, str]:
     source, _, rest = spec.partition(":")
     if source == "reasoning-gym" and rest:
         return {"source": source, "name": rest}
-    if source == "gsm8k" and rest:
+    if source in ("gsm8k", "dataset") and rest:
         return {"source": source, "path": rest}
-    raise InputError(f"--task {spec!r}: expected reasoning-gym:NAME (e.g. reasoning-gym:chain_sum) "
-                     "or gsm8k:PATH (a directory with test.jsonl, a .jsonl file or an HF id)")
+    raise InputError(f"--task {spec!r}: expected reasoning-gym:NAME (e.g. reasoning-gym:chain_sum), "
+                     "gsm8k:PATH (a directory with test.jsonl, a .jsonl file or an HF id) or "
+                     "dataset:PATH (a parquet, JSONL, CSV or Arrow file or a save_to_disk folder)")
 
 
 def load_eval_problems(config: RunConfig, exclude_ids: frozenset[str] = frozenset()

@@ -78,8 +78,9 @@ def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str,
                     f"{byte_bound} bytes that max_prompt_tokens={max_prompt_tokens} tokens can "
                     f"hold (x {byte_bound // max_prompt_tokens} bytes, this vocabulary's longest "
                     "token); drop the problem")
-        messages = [{"role": "system", "content": system_prompt},
-                    {"role": "user", "content": problem.question}]
+        # No system prompt (a dataset task's own prompt): the user message alone, as TRL renders it.
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": problem.question}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
@@ -340,7 +341,8 @@ def score_rewards(completions: list[Completion], problems: list[Problem], reward
     """Every reward component of every completion (`correctness` from `score_completions`)."""
     return [reward_set.score(c.text, problems[c.prompt_index].reference,
                              len(c.completion_token_ids), reward,
-                             question=problems[c.prompt_index].question)
+                             question=problems[c.prompt_index].question,
+                             columns=problems[c.prompt_index].columns)
             for c, reward in zip(completions, correctness)]
 
 
