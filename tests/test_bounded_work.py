@@ -160,16 +160,31 @@ def test_the_depth_check_allocates_nothing_per_character():
 
 # --- item 6: work bounded by the number of entries, not by their values -----------------------
 
-STEP_PROGRAM = """
+LOG_PROGRAM = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from test_trainer_log import SETTINGS, entry, trainer_state
+from grpogate.errors import InputError
 from grpogate.evidence.trainer_log import log_steps
-settings = {**SETTINGS, "num_iterations": int(sys.argv[2])}
-state = trainer_state([entry(1, 0.5, 0.0, 0.5), entry(10**15, 0.5, 0.0, 0.5)], 10**15)
-print(json.dumps([[s["generations"], s["group_count"], s["valid_group_count"]]
-                  for s in log_steps(state, settings, "t")]))
+settings = {**SETTINGS, **json.loads(sys.argv[2])}
+steps = json.loads(sys.argv[3])
+state = trainer_state([entry(step, 0.5, 0.0, 0.5) for step in steps], steps[-1] if steps else 0)
+try:
+    print(json.dumps([[s["generations"], s["group_count"], s["valid_group_count"]]
+                      for s in log_steps(state, settings, "t")]))
+except InputError as error:
+    print(json.dumps(str(error)))
 """
+
+
+def read_log(settings: dict, steps: list[int]):
+    """log_steps over entries at `steps` (frac 0.5) in a capped interpreter, 60 s at most (the
+    old count looped over every step number): [[generations, groups, valid], ...] or the
+    InputError's message."""
+    result = capped("-c", LOG_PROGRAM, str(Path(__file__).parent), json.dumps(settings),
+                    json.dumps(steps), timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)
 
 
 @pytest.mark.parametrize("iterations, generations", [
@@ -178,11 +193,10 @@ print(json.dumps([[s["generations"], s["group_count"], s["valid_group_count"]]
     (3, (10**15 - 1) // 3),  # 999,999,999,999,999 / 3 = 333,333,333,333,333 exactly
 ])
 def test_a_step_of_10_to_the_15_is_counted_without_a_loop_over_steps(iterations, generations):
-    # The old count looped over every step number: 10**15 iterations, years. Per entry: 8
-    # completions per generation / G = 4 -> 2 groups each; valid = (1 - 0.5) x groups.
-    result = capped("-c", STEP_PROGRAM, str(Path(__file__).parent), str(iterations), timeout=60)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout) == [[1, 2, 1], [generations, 2 * generations, generations]]
+    # Per entry: 8 completions per generation / G = 4 -> 2 groups each; valid = (1 - 0.5) x
+    # groups. The old count looped over every step number: 10**15 iterations, years.
+    assert read_log({"num_iterations": iterations}, [1, 10**15]) == [
+        [1, 2, 1], [generations, 2 * generations, generations]]
 
 
 def test_the_closed_form_count_is_the_loop_it_replaces():
@@ -196,13 +210,11 @@ def test_the_closed_form_count_is_the_loop_it_replaces():
 
 
 def test_a_step_past_2_to_the_53_and_a_setting_past_2_to_the_20_are_refused():
-    from grpogate.evidence.trainer_log import log_steps
-
-    with pytest.raises(InputError, match="field 'step' must be a whole number after 0, at most "
-                                         "9007199254740992"):
-        log_steps(trainer_state([entry(2**53 + 1, 0.5, 0.0, 0.5)], 1), SETTINGS, "t")
-    with pytest.raises(InputError, match="num_processes=1048577 is over 1048576"):
-        log_steps(trainer_state([], 0), {**SETTINGS, "num_processes": 2**20 + 1}, "t")
+    # 2**53 = 9,007,199,254,740,992; 2**20 = 1,048,576.
+    assert read_log({}, [2**53 + 1]) == ("t log_history[0]: field 'step' must be a whole number "
+                                         "after 0, at most 9007199254740992")
+    assert read_log({"num_processes": 2**20 + 1}, []) == (
+        "t: GRPO setting num_processes=1048577 is over 1048576; not a run a trainer logs")
 
 
 REGEX = "(.*)*y"  # PEFT's re.fullmatch against each module name: exponential in its length
