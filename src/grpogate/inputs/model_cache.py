@@ -38,6 +38,17 @@ def files_digest(files: dict[str, str]) -> str:
     return digest.hexdigest()
 
 
+def directory_weights_sha256(directory: Path) -> str:
+    """files_digest of a model directory's weights and config.json: a local model's identity."""
+    files = sorted(p for p in directory.iterdir()
+                   if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
+    if not any(p.suffix == ".safetensors" for p in files):
+        # Pickled *.bin weights can run code when loaded: a local model loads from safetensors.
+        raise InputError(f"{directory}: no model weights (*.safetensors) in this directory; "
+                         "pickled *.bin weights are not loaded")
+    return files_digest({path.name: sha256_path(path) for path in files})
+
+
 def dequantized_cache(gguf: Path, gguf_sha256: str, cache_root: Path) -> tuple[Path, str]:
     """-> (the directory holding the GGUF's float32 conversion, files_digest of its files as
     hashed now). Converts once (about 20 s); later loads hash the entry (well under a second)."""

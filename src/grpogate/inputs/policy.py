@@ -27,7 +27,7 @@ from grpogate.config import BUNDLED_MODEL, RunConfig
 from grpogate.errors import InputError, first_line
 from grpogate.inputs.adapter_patterns import check_module_patterns, lora_targets
 from grpogate.inputs.cache_dir import cache_root, use_cache_dir
-from grpogate.inputs.model_cache import dequantized_cache
+from grpogate.inputs.model_cache import dequantized_cache, directory_weights_sha256
 from grpogate.files import (ADAPTER_WEIGHTS, policy_version, read_safetensors,  # noqa: F401
                             safetensors_names, sha256_path, tensors_digest)
 
@@ -100,19 +100,6 @@ def _check_gguf(path: Path) -> None:
             raise InputError(f"{path}: not a GGUF file (missing the GGUF magic bytes)")
 
 
-def _weights_sha256(directory: Path) -> str:
-    files = sorted(p for p in directory.iterdir()
-                   if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
-    if not any(p.suffix == ".safetensors" for p in files):
-        # Pickled *.bin weights can run code when loaded: a local model loads from safetensors.
-        raise InputError(f"{directory}: no model weights (*.safetensors) in this directory; "
-                         "pickled *.bin weights are not loaded")
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(f"{path.name}:{sha256_path(path)}\n".encode())
-    return digest.hexdigest()
-
-
 def resolve_base_model(model: str, revision: str, cache_root: Path) -> BaseModelSource:
     if model == BUNDLED_MODEL or model.endswith(".gguf"):
         gguf = bundled_gguf_path() if model == BUNDLED_MODEL else Path(model).resolve()
@@ -127,7 +114,7 @@ def resolve_base_model(model: str, revision: str, cache_root: Path) -> BaseModel
     if path.exists():
         if not (path / "config.json").is_file():
             raise InputError(f"{model}: not a Hugging Face model directory (no config.json)")
-        digest = _weights_sha256(path)
+        digest = directory_weights_sha256(path)
         return BaseModelSource("hf-dir", str(path.resolve()), str(path.resolve()), digest,
                                spec=model, loaded_sha256=digest)
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
