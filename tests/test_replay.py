@@ -12,6 +12,7 @@ from grpogate import pipeline
 from grpogate.cli import app
 from grpogate.evidence.audit import audit_run
 from grpogate.evidence.manifest import build_manifest
+from grpogate.evidence.metrics import identical_pairs
 from grpogate.review import replay
 from grpogate.files import atomic_write_bytes, atomic_write_json, jsonl_bytes, read_jsonl
 from grpogate.review.replay import replay_prompt_count, replay_retest
@@ -32,7 +33,15 @@ def test_replay_reproduces_the_retest_and_catches_a_forged_completion(tiny_confi
     # The forgery: one completion rewritten (its reward unchanged: a trailing space does not
     # move the final number), every hash recomputed. The plain audit has nothing to find.
     records = read_jsonl(f"{run_dir}/eval_completions.jsonl")
-    records[0]["completion"] += " "
+    # The forger rewrites both policies' completions of one (prompt, sample) pair alike, so
+    # the count of identical pairs the evidence records (rebuilt by the audit) still holds.
+    partner = next(i for i, r in enumerate(records) if r["policy"] != records[0]["policy"]
+                   and (r["prompt_id"], r["sample_index"]) == (records[0]["prompt_id"],
+                                                               records[0]["sample_index"]))
+    for index in (0, partner):
+        records[index]["completion"] += " "
+    assert identical_pairs(records) == identical_pairs(
+        read_jsonl(f"{run_dir}/eval_completions.jsonl"))
     atomic_write_bytes(f"{run_dir}/eval_completions.jsonl", jsonl_bytes(records))
     evidence = json.loads(open(f"{run_dir}/evidence.json").read())
     trajectories = read_jsonl(f"{run_dir}/trajectories.jsonl")
@@ -41,7 +50,7 @@ def test_replay_reproduces_the_retest_and_catches_a_forged_completion(tiny_confi
     assert audit_run(run_dir)["mismatches"] == []
     result = CliRunner().invoke(app, ["decide", run_dir, "--replay", "1"])
     assert result.exit_code == 4, result.output
-    assert "15/16 completions equal to the stored ones (environment as recorded)" in result.output
+    assert "14/16 completions equal to the stored ones (environment as recorded)" in result.output
     assert "mismatch replay eval_completions.jsonl:1 completion" in result.output
 
     # Elsewhere (another torch), bit-identity is not promised: the agreement is reported only.
@@ -50,7 +59,7 @@ def test_replay_reproduces_the_retest_and_catches_a_forged_completion(tiny_confi
     elsewhere = replay_retest(run_dir, 1)
     assert elsewhere["environment_matches"] is False and elsewhere["mismatches"] == []
     assert elsewhere["environment_differences"]["torch"]["now"] == "0.0-other"
-    assert elsewhere["equal"] == 15
+    assert elsewhere["equal"] == 14
 
 
 def test_a_replay_without_the_runs_native_kernels_reports_rather_than_rejects(
