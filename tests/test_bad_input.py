@@ -282,7 +282,7 @@ CASES = [
     ("unknown task", lambda case: case.args("--set", "task.name=no_such_task", gsm8k=False),
      "task.name: unknown reasoning-gym dataset 'no_such_task'; reasoning-gym knows"),
     ("unknown task source", lambda case: case.args("--set", "task.source=kaggle", gsm8k=False),
-     "config: task.source must be 'reasoning-gym' or 'gsm8k' (got 'kaggle')"),
+     "config: task.source must be one of reasoning-gym, gsm8k, dataset (got 'kaggle')"),
     ("unknown verifier", lambda case: case.args("--set", "verifier=no-such-verifier"),
      "verifier: unknown verifier 'no-such-verifier'; known verifiers:"),
     ("missing model path", lambda case: case.args(model="/nonexistent/model-dir"),

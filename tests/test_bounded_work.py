@@ -271,7 +271,7 @@ def test_gate_refuses_a_regex_target_modules_at_admission(tmp_path):
 
 
 def test_the_configured_lora_target_modules_is_names_never_a_pattern():
-    from grpogate.inputs.adapter_patterns import lora_targets
+    from grpogate.config.adapter_patterns import lora_targets
 
     assert lora_targets("all-linear") == "all-linear"
     assert lora_targets("q_proj, v_proj") == ["q_proj", "v_proj"]  # PEFT compares names

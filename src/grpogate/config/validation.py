@@ -14,7 +14,7 @@ from grpogate.config.schema import (BUILT_IN_REWARDS, DTYPES, IMPORTANCE_SAMPLIN
                                     SCALE_REWARDS, TASK_SOURCES, DATASET_VERIFIERS,
                                     USER_REWARD_PATH, RunConfig, flatten)
 from grpogate.errors import InputError
-from grpogate.inputs.adapter_patterns import ALL_LINEAR, MAX_NAME_CHARS, plain_targets
+from grpogate.config.adapter_patterns import ALL_LINEAR, MAX_NAME_CHARS, plain_targets
 from grpogate.gates import validate_gates
 
 
@@ -74,10 +74,7 @@ def validate(config: RunConfig) -> RunConfig:
         need(0 <= value < SEED_LIMIT, f"{name} must be in [0, {SEED_LIMIT - 1}] (got {value})")
     need(label_is_a_name(config.label), f"label {config.label!r} must be a name (no / or \\, "
          "not . or ..): the run directory is runs/LABEL; use --out DIR for a path")
-    need(0 <= config.lora_dropout < 1, f"lora_dropout must be in [0, 1) (got {config.lora_dropout})")
-    need(plain_targets(config.lora_target_modules), f"lora_target_modules must be "
-         f"\"{ALL_LINEAR}\" or a comma list of module names (letters, digits, _ and ., at "
-         f"most {MAX_NAME_CHARS} each), never a pattern (got {config.lora_target_modules!r})")
+    _validate_lora(config, need)
     need(config.group_size >= 2, f"group_size must be >= 2 (got {config.group_size}): "
          "a group-relative advantage needs at least two completions per prompt")
     need(config.eval_group_size >= 1, "eval_group_size must be >= 1")
@@ -94,7 +91,6 @@ def validate(config: RunConfig) -> RunConfig:
     need(config.generation_batch_size >= 1 and config.micro_batch_size >= 1,
          "generation_batch_size and micro_batch_size must be >= 1")
     need(config.groups_per_update >= 0, "groups_per_update must be >= 0 (0 = all valid groups)")
-    need(config.lora_r >= 1 and config.lora_alpha > 0, "lora_r must be >= 1 and lora_alpha > 0")
     for name in ("learning_rate", "epsilon", "epsilon_high", "delta", "beta", "max_grad_norm",
                  "weight_decay", "rollout_correction_cap"):
         value = getattr(config, name)
@@ -106,12 +102,7 @@ def validate(config: RunConfig) -> RunConfig:
     _validate_objective(config, need)
     need(config.dtype in DTYPES, f"dtype must be one of {DTYPES} (got {config.dtype!r})")
     need(config.device in ("auto", "cpu", "cuda"), "device must be auto, cpu or cuda")
-    need(config.task.source in TASK_SOURCES,
-         f"task.source must be one of {', '.join(TASK_SOURCES)} (got {config.task.source!r})")
-    need(config.task.source != "gsm8k" or bool(config.task.path),
-         "task.path is required for gsm8k: a directory with train.jsonl/test.jsonl, a .jsonl file "
-         "or a Hugging Face dataset id")
-    _validate_dataset_task(config.task, need)
+    _validate_task(config.task, need)
     unknown = [name for name in config.report_to if name not in REPORTERS]
     need(not unknown, f"report_to: unknown tracker {', '.join(map(repr, unknown))}; known: "
          f"{', '.join(REPORTERS)} (comma-separated, or none)")
@@ -120,6 +111,23 @@ def validate(config: RunConfig) -> RunConfig:
          "give either baseline_manifest or adapter, not both (the manifest names its adapter)")
     validate_gates(dataclasses.asdict(config.gates))
     return config
+
+
+def _validate_lora(config: RunConfig, need) -> None:
+    need(config.lora_r >= 1 and config.lora_alpha > 0, "lora_r must be >= 1 and lora_alpha > 0")
+    need(0 <= config.lora_dropout < 1, f"lora_dropout must be in [0, 1) (got {config.lora_dropout})")
+    need(plain_targets(config.lora_target_modules), f"lora_target_modules must be "
+         f"\"{ALL_LINEAR}\" or a comma list of module names (letters, digits, _ and ., at "
+         f"most {MAX_NAME_CHARS} each), never a pattern (got {config.lora_target_modules!r})")
+
+
+def _validate_task(task, need) -> None:
+    need(task.source in TASK_SOURCES,
+         f"task.source must be one of {', '.join(TASK_SOURCES)} (got {task.source!r})")
+    need(task.source != "gsm8k" or bool(task.path),
+         "task.path is required for gsm8k: a directory with train.jsonl/test.jsonl, a .jsonl file "
+         "or a Hugging Face dataset id")
+    _validate_dataset_task(task, need)
 
 
 def label_is_a_name(label: str) -> bool:

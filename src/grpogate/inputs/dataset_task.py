@@ -34,6 +34,7 @@ import re
 from pathlib import Path
 
 from grpogate.errors import InputError, first_line
+from grpogate.inputs.problem import Problem, columns_text, prompt_id
 from grpogate.inputs.verifiers import reference_number
 
 # File name endings -> the `datasets` builder that reads them.
@@ -161,7 +162,6 @@ def split_rows(dataset, task, shown: str) -> list[tuple[int, str, str, str]]:
     """Every row of one split as (1-based row, question, reference, the other columns as JSON
     text), each row checked, and no question twice (a repeated problem would be weighted twice,
     or sit in both sets)."""
-    from grpogate.inputs.tasks import columns_text, prompt_id
 
     reference_field = reference_column(task, list(dataset.column_names))
     rows, first = [], {}
@@ -195,7 +195,6 @@ def _draw(count: int, indexes: list[int], seed: int, what: str, shown: str,
 
 
 def _problems(rows, chosen: list[int], origin: str) -> list:
-    from grpogate.inputs.tasks import Problem, prompt_id
 
     return [Problem(prompt_id(rows[i][1]), rows[i][1], rows[i][2], f"dataset:{origin}:{rows[i][0]}",
                     rows[i][3]) for i in chosen]

@@ -14,13 +14,12 @@ import json
 import os
 import random
 import re
-import unicodedata
-from dataclasses import dataclass
 from pathlib import Path
 
 from grpogate.errors import InputError
 from grpogate.files import parse_json
 from grpogate.inputs import dataset_task
+from grpogate.inputs.problem import Problem, columns_text, prompt_id  # noqa: F401 (re-exported)
 
 # The official GSM8K answer ends in "#### N"; N may carry thousands separators or a sign.
 # ASCII digits only: the verifier reads 0-9 (its _NUMBER is re.ASCII), so a reference whose
@@ -32,28 +31,6 @@ _HUB_ID = re.compile(r"^(?:gsm8k|[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)$")
 # reasoning-gym: how many times the loader doubles the number of generated items before it
 # concludes that the task's question space is too small for the size asked.
 _MAX_GROWTH_ATTEMPTS = 6
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt_id: str  # sha256 of the normalized question, first 16 hex chars
-    question: str
-    reference: str  # the reference answer as the verifier expects it
-    source: str  # where it came from, e.g. "gsm8k:/abs/train.jsonl:17"
-    # A dataset task's other columns as JSON text (sorted keys), which TRL-signature reward
-    # functions receive as keyword arguments, as TRL passes a row's columns; "" for the rest.
-    columns: str = ""
-
-
-def prompt_id(question: str) -> str:
-    """Stable id of a question: insensitive to Unicode form, case, whitespace layout and
-    invisible format characters (zero-width space / joiner, BOM, soft hyphen: category Cf),
-    which would otherwise hide a train/eval overlap. A question without format characters
-    keeps the id it had before they were dropped."""
-    visible = "".join(c for c in unicodedata.normalize("NFKC", question)
-                      if unicodedata.category(c) != "Cf")
-    normalized = " ".join(visible.split()).casefold()
-    return hashlib.sha256(normalized.encode("utf-8")).hexdigest()[:16]
 
 
 def _problem(question: str, reference: str, source: str) -> Problem:
@@ -283,12 +260,6 @@ def check_isolation(train: list[Problem], eval: list[Problem],
             f"{first.prompt_id} ({names[0]} {first.source}, {names[1]} "
             f"{eval_sources[first.prompt_id]})"
         )
-
-
-def columns_text(columns: dict) -> str:
-    """A row's other columns as the JSON text a Problem carries (the run's and decide's alike);
-    NaN and infinity are refused (ValueError): problems.jsonl is strict JSON."""
-    return json.dumps(columns, sort_keys=True, ensure_ascii=False, allow_nan=False, default=str)
 
 
 def problem_set_hash(problems: list[Problem]) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpogate.errors import InputError
-from grpogate.inputs.adapter_patterns import check_module_patterns
+from grpogate.config.adapter_patterns import check_module_patterns
 from grpogate.files import (ADAPTER_WEIGHTS, confined_path, parse_json, read_confined,
                             read_safetensors)
 
