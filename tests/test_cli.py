@@ -110,8 +110,9 @@ def test_a_smoke_run_says_it_is_a_pipeline_check_and_which_gain_rule_decided(tin
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())  # rich wraps long lines at the terminal width
     assert "profile smoke: a pipeline check" in text
-    assert ("gain gates (reward, pass_at_group) read the 95 % paired bootstrap lower bound "
-            "(gates.require_significant_gain = true)") in text
+    assert ("gain gates (reward, pass_at_group) pass when a one-sided paired sign-flip test "
+            "rejects 'gain <= minimum' at p <= 0.025 (gates.require_significant_gain = true)"
+            ) in text
 
 
 def test_profile_notes():

@@ -86,7 +86,8 @@ def test_a_run_that_changes_nothing_is_rejected(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "-m", "grpogate.cli", "run", "--profile", "smoke", "--lr", "1e-12",
-         "--out", str(out)], capture_output=True, text=True, timeout=900)
+         "--exit-code-from-decision", "--out", str(out)], capture_output=True, text=True,
+        timeout=900)
     assert result.returncode == 4, result.stdout[-3000:] + result.stderr[-3000:]
     evidence = json.loads((out / "evidence.json").read_text())
     assert evidence["status"] == "no_effective_update"

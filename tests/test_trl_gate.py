@@ -264,3 +264,35 @@ def test_a_grpogate_adapter_gated_as_foreign_retests_as_eval_and_compare(tiny_co
 
     audit = audit_any(tmp_path / "b" / "run")
     assert audit["mismatches"] == [] and audit["agrees"] and "not_checkable" in audit
+
+
+def test_an_adapter_with_zero_b_matrices_is_no_effective_update(trl_run, tiny_model_dir,
+                                                               tmp_path):
+    """A LoRA whose B matrices are all zero adds B A = 0: it computes the baseline's function
+    under another adapter hash. Its re-test repeats the baseline's completions pair for pair
+    (same seeds), so the gate rejects it as no effective update and says why, naming the B."""
+    from safetensors.torch import load_file, save_file
+
+    out, train_data, _ = trl_run
+    zero = tmp_path / "zero"
+    shutil.copytree(out, zero, ignore=shutil.ignore_patterns("checkpoint-*"))
+    weights = zero / "adapter_model.safetensors"
+    tensors = {name: (tensor.zero_() if "lora_B" in name else tensor)
+               for name, tensor in load_file(weights).items()}
+    save_file(tensors, weights)
+    run_dir = tmp_path / "gated"
+    result = gate(["--from-trl", str(zero), "--num-generations", str(GROUP_SIZE),
+                   "--baseline", str(tiny_model_dir), "--train-data", str(train_data),
+                   "--out", str(run_dir), "--exit-code-from-decision"])
+    assert result.exit_code == 4, result.output
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    assert evidence["status"] == "no_effective_update"
+    assert evidence["decision"]["decision"] == "reject"
+    assert "effective_update" in evidence["decision"]["failed_checks"]
+    counts = evidence["comparison"]["identical_completions"]
+    assert counts["pairs"] == counts["identical"] > 0
+    text = " ".join(result.output.split())
+    assert "the candidate's re-test completions are identical to the baseline's" in text
+    assert "LoRA B matrices are all zero, so it computes the baseline's function exactly" in text
+    decided = CliRunner().invoke(app, ["decide", str(run_dir)])
+    assert decided.exit_code == 0 and "agrees" in decided.output, decided.output
