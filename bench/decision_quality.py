@@ -51,7 +51,7 @@ QUICK_OVERRIDES = ["eval_prompts=4", "eval_group_size=2", "guard.prompts=3",
 
 def tiny_model(directory: Path) -> Path:
     """A random 2-layer Llama (hidden size 64) with the bundled SmolLM2 tokenizer, built once
-    into `directory` as tests/conftest.py builds the test suite's."""
+    into `directory`: the test suite's tiny model too (tests/conftest.py calls this)."""
     if (directory / "config.json").is_file():
         return directory
     import torch

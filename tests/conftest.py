@@ -45,33 +45,24 @@ def kernels():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny random Llama (2 layers, hidden 64) on the bundled SmolLM2's tokenizer, built by
+    the decision study's own builder (bench/decision_quality.py), so tests and `--quick` share
+    one model."""
+    import sys
+
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     # The tiny model's kernels are too small to gain from threads, and on a machine shared with
     # other work two intra-op threads wait on each other (measured: 40x slower generate).
     # torch is imported here, not at module level, so pure-module tests stay torch-free.
     torch.set_num_threads(1)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from decision_quality import tiny_model
 
-    from grpogate.config import BUNDLED_MODEL, RunConfig
-    from grpogate.inputs.policy import default_cache_dir, resolve_base_model
+    directory = tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+    from transformers import AutoTokenizer
 
-    # Cached after the first dequantization (about 20 s once, then under a second).
-    source = resolve_base_model(BUNDLED_MODEL, "", default_cache_dir(RunConfig()))
-    tokenizer = AutoTokenizer.from_pretrained(source.load_dir)
-    assert tokenizer.eos_token_id == 2
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.eos_token_id
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    assert AutoTokenizer.from_pretrained(directory).eos_token_id == 2
     return directory
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from grpogate.errors import InputError
 from grpogate.config.adapter_patterns import check_module_patterns
-from grpogate.files import (ADAPTER_WEIGHTS, confined_path, parse_json, read_confined,
-                            read_safetensors)
+from grpogate.files import (ADAPTER_WEIGHTS, confined_path, descriptor_size,
+                            parse_json, read_confined, read_safetensors)
 
 TRAINER_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -188,7 +188,9 @@ def read_settings_file(path: str) -> dict:
         raise InputError(f"{path}: no such settings file")
     if file.suffix == ".toml":
         try:
-            document = tomllib.loads(file.read_text(encoding="utf-8"))
+            with open(file, "rb") as stream:  # is_file above: a regular file, never a FIFO
+                size = descriptor_size(stream.fileno(), path, MAX_JSON_BYTES, "a settings file")
+                document = tomllib.loads(stream.read(size).decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
             raise InputError(f"{path}: not valid TOML ({error})") from None
         except RecursionError:  # tomllib recurses per nested array or table: the stack unwinds
