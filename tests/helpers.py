@@ -60,3 +60,17 @@ def relative_distance(ours, theirs) -> float:
     apart = sum((a.float() - b.float()).norm() ** 2 for a, b in zip(ours, theirs)) ** 0.5
     assert total > 0
     return float(apart / total)
+
+
+def key_pair(directory: Path) -> tuple[Path, Path]:
+    """A fresh P-256 key pair in `directory` (key.pem, key.pub) for `grpogate sign` / --verify-key."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    private = ec.generate_private_key(ec.SECP256R1())
+    (directory / "key.pem").write_bytes(private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    (directory / "key.pub").write_bytes(private.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    return directory / "key.pem", directory / "key.pub"

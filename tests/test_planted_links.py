@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import key_pair
 from synthetic_run import write_synthetic_run
 from typer.testing import CliRunner
 
@@ -73,19 +74,6 @@ def test_report_refuses_a_lock_linked_outside(tmp_path):
     (run / LOCK_FILE).symlink_to(target)
     refused(["report", run], f"{LOCK_FILE}: a symbolic link")
     assert target.read_bytes() == PRECIOUS and not (run / "report.html").exists()
-
-
-def key_pair(directory: Path) -> tuple[Path, Path]:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    private = ec.generate_private_key(ec.SECP256R1())
-    (directory / "key.pem").write_bytes(private.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption()))
-    (directory / "key.pub").write_bytes(private.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    return directory / "key.pem", directory / "key.pub"
 
 
 def test_sign_refuses_a_lock_or_a_signature_linked_outside(tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_SIZES
-from helpers import alternating_rewards, sha256
+from helpers import alternating_rewards, key_pair, sha256
 from trl_style_rewards import parity_reward  # the same function grpogate runs (test_api.py)
 from typer.testing import CliRunner
 
@@ -70,19 +70,6 @@ def trl_run(tiny_config, tmp_path_factory):
     trainer.save_model()
     trainer.save_state()
     return root / "out", root / "train.jsonl", batches
-
-
-def key_pair(directory: Path) -> tuple[Path, Path]:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    private = ec.generate_private_key(ec.SECP256R1())
-    (directory / "key.pem").write_bytes(private.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption()))
-    (directory / "key.pub").write_bytes(private.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    return directory / "key.pem", directory / "key.pub"
 
 
 def planted_pickle(marker: Path) -> bytes:
