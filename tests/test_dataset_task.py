@@ -219,3 +219,27 @@ def test_train_data_in_a_table_format_goes_through_the_same_isolation_rule(table
     clean = write_csv(tmp_path / "train.csv", [{"prompt": "What is 1 + 1?", "answer": 2}])
     train, _, source, searched = training_problems(config, str(clean), False, render)
     assert checked_isolation(train, searched, eval_set, source)["checked"] is True
+
+
+def test_the_exact_verifier_compares_the_final_answer_as_text(tmp_path):
+    """task.verifier = "exact": the final answer (the line after the last "Answer:", else the
+    last number) equals the reference once both are stripped of surrounding whitespace."""
+    from grpogate.config import load_config
+    from grpogate.inputs import tasks
+    from grpogate.inputs.verifiers import get_verifier
+
+    exact = get_verifier("exact-answer-v1")
+    cases = [("Answer: Paris", "Paris", 1.0), ("answer:\tParis  \nbye", " Paris\n", 1.0),
+             ("Answer: paris", "Paris", 0.0),        # no case folding
+             ("Answer: 19.0", "19", 0.0),            # no number parsing
+             ("12 + 7 = 19", "19", 1.0),             # no "Answer:": the last number
+             ("The capital is Paris", "Paris", 0.0),  # no marker, no number: no answer
+             (None, "Paris", 0.0), ("Answer: Paris", None, 0.0)]
+    assert [exact.score(c, r) for c, r, _ in cases] == [want for _, _, want in cases]
+    assert exact.error_count == 0
+    rows = [{"prompt": f"Capital number {k}?", "answer": f"City {k}"} for k in range(12)]
+    config = load_config("smoke", task={"source": "dataset", "verifier": "exact",
+                                        "path": str(write_jsonl(tmp_path / "cities.jsonl", rows))})
+    assert config.resolved_verifier() == "exact-answer-v1"
+    train, _, eval_set, _ = tasks.load_problem_sets(config.task, 4, 4)
+    assert all(p.reference.startswith("City ") for p in train + eval_set)

@@ -37,8 +37,9 @@ KEY_HELP = {
     "task.prompt_field": "dataset: the prompt column, a string or one user chat message",
     "task.reference_field": "dataset: the reference column (dotted path); answer also finds "
                             "TRL's solution and verl's reward_model.ground_truth",
-    "task.verifier": "dataset: number (last number equals the reference's) or math "
-                     "(math-verify); empty: number",
+    "task.verifier": "dataset: number (last number equals the reference's), math "
+                     "(math-verify) or exact (final answer equals the reference, whitespace "
+                     "stripped); empty: number",
     "verifier": "reward verifier; empty: the task's own (reasoning-gym scorer, gsm8k number)",
     "system_prompt": "system message of every prompt; empty: the task's default",
     "train_prompts": "training problems in all (steps x prompts_per_step)",

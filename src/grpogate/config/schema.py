@@ -41,7 +41,8 @@ class TaskConfig:
     eval_seed: int = 2
     # dataset: the prompt column (a string or chat messages), the reference column (a dotted
     # path; "answer" also finds TRL's "solution" and verl's "reward_model.ground_truth"), and
-    # the verifier: "number" (the last number equals the reference's) or "math" (math-verify).
+    # the verifier: "number" (the last number equals the reference's), "math" (math-verify) or
+    # "exact" (the final answer equals the reference, whitespace stripped).
     prompt_field: str = "prompt"
     reference_field: str = "answer"
     verifier: str = ""
@@ -209,7 +210,8 @@ def step_count(train_prompts: int, prompts_per_step: int) -> int:
 
 TASK_SOURCES = ("reasoning-gym", "gsm8k", "dataset")
 # task.verifier of a dataset task -> the verifier's name (inputs/verifiers.py)
-DATASET_VERIFIERS = {"number": "gsm8k-final-number-v1", "math": "math-verify-v1"}
+DATASET_VERIFIERS = {"number": "gsm8k-final-number-v1", "math": "math-verify-v1",
+                     "exact": "exact-answer-v1"}
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 BUILT_IN_REWARDS = ("correctness", "format", "overlong")  # inputs/rewards.py implements them
 USER_REWARD_PATH = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)

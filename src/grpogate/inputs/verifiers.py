@@ -20,6 +20,8 @@ Decimal('-2.50')
 '7'
 >>> plain_number("$1,234.50."), plain_number("1,2,3")
 ('1234.50', None)
+>>> get_verifier("exact-answer-v1").score("so\\nAnswer:  Paris \\n", " Paris")
+1.0
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from typing import Any, Protocol
 
 GSM8K_FINAL_NUMBER = "gsm8k-final-number-v1"
 MATH_VERIFY = "math-verify-v1"
+EXACT_ANSWER = "exact-answer-v1"
 REASONING_GYM_PREFIX = "reasoning-gym/"
-KNOWN_VERIFIERS = (GSM8K_FINAL_NUMBER, MATH_VERIFY, REASONING_GYM_PREFIX + "<dataset_name>")
+KNOWN_VERIFIERS = (GSM8K_FINAL_NUMBER, MATH_VERIFY, EXACT_ANSWER,
+                   REASONING_GYM_PREFIX + "<dataset_name>")
 
 # A number as people write it in answers: an optional sign, an optional "$", digits with
 # optional thousands separators (groups of exactly three) and an optional decimal part, or a
@@ -142,6 +146,25 @@ class FinalNumberVerifier:
         if expected is None or answered is None:
             return 0.0
         return 1.0 if answered == expected else 0.0
+
+
+class ExactAnswerVerifier:
+    """A dataset's `task.verifier = "exact"`: the completion's final answer
+    (`extract_final_answer`: the rest of the line after the last "Answer:", else the last
+    number) equals the reference, character for character once leading and trailing whitespace
+    is stripped from both. Nothing is parsed or normalized (no numbers, no case)."""
+
+    name = EXACT_ANSWER
+    version = EXACT_ANSWER
+
+    def __init__(self) -> None:
+        self.error_count = 0
+
+    def score(self, completion: Any, reference: Any) -> float:
+        answer = extract_final_answer(completion)
+        if answer is None or not isinstance(reference, str):
+            return 0.0
+        return 1.0 if answer.strip() == reference.strip() else 0.0
 
 
 class ReasoningGymVerifier:
@@ -346,10 +369,12 @@ def check_references(verifier: Verifier, problems: list) -> None:
 
 
 def get_verifier(name: str) -> Verifier:
-    """The verifier called `name`: "gsm8k-final-number-v1", "math-verify-v1" or
-    "reasoning-gym/<dataset_name>"."""
+    """The verifier called `name`: "gsm8k-final-number-v1", "math-verify-v1",
+    "exact-answer-v1" or "reasoning-gym/<dataset_name>"."""
     if name == GSM8K_FINAL_NUMBER:
         return FinalNumberVerifier()
+    if name == EXACT_ANSWER:
+        return ExactAnswerVerifier()
     if name == MATH_VERIFY:
         return MathVerifyVerifier()
     if isinstance(name, str) and name.startswith(REASONING_GYM_PREFIX):
