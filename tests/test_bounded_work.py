@@ -90,18 +90,33 @@ def test_a_200_mb_string_in_evidence_is_refused_under_a_2_gib_cap(pristine, tmp_
     assert not (run / "report.html").exists()
 
 
+def with_raw_evidence(source: Path, target: Path, change) -> Path:
+    """`with_evidence`, written as UTF-8 (ensure_ascii=False) the way another writer may."""
+    run = Path(shutil.copytree(source, target))
+    evidence = json.loads((run / "evidence.json").read_text())
+    change(evidence)
+    (run / "evidence.json").write_text(json.dumps(evidence, ensure_ascii=False), "utf-8")
+    return run
+
+
 def test_decide_and_report_peak_memory_is_under_4x_a_17_mb_file(pristine, tmp_path):
     """Peak RSS over the same command's on the pristine run, per byte of evidence.json: at most
-    4 (measured 1.7-2.9; the old code took 2.1 GB for the refused file, 125x)."""
+    4 (measured 1.7-3.4; the old code took 2.1 GB for the refused file, 125x, and 5.8x for the
+    file whose one emoji made Python hold its whole text at 4 bytes a character)."""
     refused = with_evidence(pristine, tmp_path / "refused",
                             lambda e: e.update(run_label="x" * 17_000_000))
     # 17 strings of 1,000,000 characters each: under the 4 MiB field limit, so parsed whole.
     accepted = with_evidence(pristine, tmp_path / "accepted",
                              lambda e: e.update(extra=["x" * 1_000_000] * 17))
+    # The same written raw with one character above U+FFFF, and one above U+00FF.
+    wide = [with_raw_evidence(pristine, tmp_path / name, lambda e, c=character: e.update(
+        extra=["x" * 1_000_000] * 16 + ["x" * 999_999 + c])) for name, character in (
+            ("astral", "\U0001F600"), ("bmp", "\u4e2d"))]
     for command in ("decide", "report"):
         code, baseline = peak_bytes(command, Path(shutil.copytree(pristine, tmp_path / command)))
         assert code == 0
-        for run, expected in ((refused, 2), (accepted, {"decide": 4, "report": 0}[command])):
+        parsed = {"decide": 4, "report": 0}[command]
+        for run, expected in ((refused, 2), (accepted, parsed), *((w, parsed) for w in wide)):
             size = (run / "evidence.json").stat().st_size
             assert size > 17_000_000
             code, peak = peak_bytes(command, run)
@@ -156,6 +171,45 @@ def test_the_depth_check_allocates_nothing_per_character():
         tracemalloc.stop()
     assert value["a"] == "\n" * 1_000_000
     assert peak < 8 * 1024 * 1024, peak
+
+
+
+@pytest.mark.parametrize("value", [
+    {"ascii": "plain", "latin": "caf\u00e9"},                       # 1 byte a character as it is
+    {"text": "x" * 200 + "\U0001F600", "n": [1, 2.5, None]},        # escaped: 1 byte, not 4
+    {"text": "x" * 200 + "\u4e2d\u6587", "k\u00e9y": "v"},           # escaped: 1 byte, not 2
+    {"text": "\u4e2d" * 300},                                       # as it is: 2 bytes a character
+    {"text": "\U0001F600" * 300},                                  # as it is: 4 = its UTF-8 bytes
+])
+def test_utf8_bytes_parse_to_the_values_json_loads_gives(value):
+    from grpogate.files.json_text import compact_text
+
+    data = json.dumps(value, ensure_ascii=False).encode("utf-8")
+    assert parse_json(data, "f.json") == json.loads(data.decode("utf-8")) == value
+    # Held in at most 3 bytes a byte of the file (sys.getsizeof: ~50 bytes of header).
+    assert sys.getsizeof(compact_text(data)) - sys.getsizeof("") <= 3 * len(data)
+
+
+def test_a_mostly_ascii_text_with_one_emoji_is_held_one_byte_a_character():
+    from grpogate.files.json_text import compact_text
+
+    # 1,000 ASCII characters and one emoji: decoded, 1,001 characters x 4 bytes = 4,004; as
+    # escapes, 1,000 + 12 ("\ud83d\ude00") characters x 1 byte = 1,012 (+ the two quotes).
+    text = compact_text(json.dumps("x" * 1000 + "\U0001F600", ensure_ascii=False).encode())
+    assert text == '"' + "x" * 1000 + '\\ud83d\\ude00"' and text.isascii()
+
+
+def test_bad_utf8_is_refused_at_its_byte_whichever_way_the_text_is_built():
+    from grpogate.files.json_text import compact_text
+
+    # The quote is byte 0, the x's bytes 1-1,000, one CJK character (E4 B8 AD) bytes
+    # 1,001-1,003; the character begun at byte 1,004 (E4 B8) is cut short by the closing quote.
+    mostly_ascii = b'"' + b"x" * 1000 + "\u4e2d".encode() + b"\xe4\xb8" + b'"'
+    with pytest.raises(UnicodeDecodeError) as escaped:
+        compact_text(mostly_ascii)
+    with pytest.raises(UnicodeDecodeError) as direct:
+        mostly_ascii.decode("utf-8")
+    assert escaped.value.start == direct.value.start == 1004
 
 
 # --- item 6: work bounded by the number of entries, not by their values -----------------------

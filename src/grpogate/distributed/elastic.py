@@ -54,7 +54,7 @@ def mark_job(run_dir: Path, world: World) -> None:
 
 def _ours(run_dir: Path, world: World) -> bool:
     try:
-        marker = parse_json(read_confined(run_dir, f"{CHECKPOINTS}/{JOB_FILE}").decode("utf-8"),
+        marker = parse_json(read_confined(run_dir, f"{CHECKPOINTS}/{JOB_FILE}"),
                             JOB_FILE)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, InputError):
         return False

@@ -130,7 +130,7 @@ def read_object(path: Path, audit: Audit) -> dict | None:
     and for JSON no reader may take one way (duplicate keys), nested past any grpogate file or
     holding an integer Python will not convert (parse_json)."""
     try:
-        document = parse_json(audit.read(path).decode("utf-8"), str(path))
+        document = parse_json(audit.read(path), str(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         audit.mismatch(f"{path.name} (not valid JSON: {error})")
         return None

@@ -42,7 +42,7 @@ def is_foreign(run_dir: str | Path) -> bool:
     evidence = None
     # confined and bounded as every run-directory read (no FIFO wait, no deep nesting)
     with tolerated(InputError, OSError, UnicodeDecodeError, json.JSONDecodeError):
-        evidence = parse_json(read_confined(run_dir, "evidence.json").decode("utf-8"),
+        evidence = parse_json(read_confined(run_dir, "evidence.json"),
                               "evidence.json")
     return isinstance(evidence, dict) and isinstance(evidence.get("foreign"), dict)
 

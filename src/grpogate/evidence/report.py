@@ -424,7 +424,7 @@ def write_report(run_dir: str | Path) -> Path:
     shown, run_dir = str(run_dir), Path(run_dir)
     try:
         # Only a regular file inside the run directory is opened (a FIFO would hang the report).
-        evidence = parse_json(read_confined(run_dir, "evidence.json").decode("utf-8"),
+        evidence = parse_json(read_confined(run_dir, "evidence.json"),
                               f"{run_dir}/evidence.json")
     except InputError as error:
         if not (run_dir / "evidence.json").is_file():
@@ -438,7 +438,7 @@ def write_report(run_dir: str | Path) -> Path:
     manifest = {}
     # The manifest only adds file hashes; a run without one still gets its report.
     with tolerated(InputError, json.JSONDecodeError, UnicodeDecodeError):
-        manifest = parse_json(read_confined(run_dir, "manifest.json").decode("utf-8"),
+        manifest = parse_json(read_confined(run_dir, "manifest.json"),
                               f"{run_dir}/manifest.json")
     manifest = manifest if isinstance(manifest, dict) else {}
     problems = {str(p.get("prompt_id")): p for p in _read_jsonl(run_dir / PROBLEMS_FILE)}

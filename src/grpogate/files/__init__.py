@@ -30,7 +30,7 @@ from grpogate.files.confine import (  # noqa: F401  (the files API: confine.py)
     confined_file, confined_path, open_in_run_dir, read_confined, run_folder, sha256_confined,
     write_in_run_dir)
 from grpogate.files.json_text import MAX_JSON_STRING_CHARS  # noqa: F401  (files API)
-from grpogate.files.json_text import scan as scan_json_text
+from grpogate.files.json_text import compact_text, scan as scan_json_text
 from grpogate.files.tensors import (  # noqa: F401  (the files API: tensors.py)
     policy_version, read_safetensors, safetensors_names, safetensors_sha256, tensors_digest)
 
@@ -242,12 +242,16 @@ def _lone_surrogate_at(value, path: str = "") -> str | None:
     return None
 
 
-def parse_json(text: str, where: str):
-    """JSON text from an untrusted file -> its value, bounded: nesting deeper than
+def parse_json(text: str | bytes, where: str):
+    """JSON text (or a file's UTF-8 bytes: decoded by json_text.compact_text, at most 3 bytes
+    of text a byte; UnicodeDecodeError when not UTF-8) from an untrusted file -> its value,
+    bounded: nesting deeper than
     JSON_DEPTH_LIMIT, a string longer than MAX_JSON_STRING_CHARS, duplicate keys, an integer too
     long for Python to convert and a lone surrogate escape (\\ud800: valid JSON, not Unicode
     text; it breaks every later encode) raise InputError naming `where` (file, or file:line);
     malformed text raises json.JSONDecodeError for the caller to word."""
+    if isinstance(text, bytes):
+        text = compact_text(text)
     _check_json_text(text, where)
     try:
         value = json.loads(text, object_pairs_hook=_unique_keys(where))
@@ -270,7 +274,7 @@ def read_json(path: str | Path):
         with open(path, "rb") as stream:
             data = stream.read(descriptor_size(stream.fileno(), path, MAX_FILE_BYTES,
                                                "a JSON file"))
-        return parse_json(data.decode("utf-8"), str(path))
+        return parse_json(data, str(path))
     except UnicodeDecodeError as error:
         raise InputError(f"{path}: not valid UTF-8 (byte {error.start})") from None
     except json.JSONDecodeError as error:

@@ -61,7 +61,7 @@ def read_json_file(path: Path, root: Path | None = None) -> object:
     try:  # parse_json: depth bound, duplicate keys and lone surrogates refused, as for a run
         data = read_confined(root, str(path.relative_to(root)), MAX_JSON_BYTES,
                              "a trainer's JSON file")
-        return parse_json(data.decode("utf-8"), str(path))
+        return parse_json(data, str(path))
     except UnicodeDecodeError as error:
         raise InputError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
     except json.JSONDecodeError as error:

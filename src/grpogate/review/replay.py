@@ -56,7 +56,7 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
     "mismatches"}; mismatches (same shape as the audit's) only when the environment matches."""
     run_dir = Path(run_dir)
     try:
-        evidence = parse_json(read_confined(run_dir, "evidence.json").decode("utf-8"),
+        evidence = parse_json(read_confined(run_dir, "evidence.json"),
                               f"{run_dir}/evidence.json")
         evidence["config"], evidence["inputs"], evidence["artifact"]  # noqa: B018 (present?)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:

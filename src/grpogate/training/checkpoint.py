@@ -159,8 +159,8 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     confined_path(run_dir, inside, directory=True)
     where = f"{directory}/{STATE_FILE}"
     try:
-        state = parse_json(read_confined(run_dir, f"{inside}/{STATE_FILE}", MAX_FILE_BYTES)
-                           .decode("utf-8"), where)
+        state = parse_json(read_confined(run_dir, f"{inside}/{STATE_FILE}", MAX_FILE_BYTES),
+                           where)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise InputError(f"{where}: unreadable checkpoint state ({error})") from None
     if not isinstance(state, dict) or state.get("checkpoint_format") != CHECKPOINT_FORMAT:
@@ -224,7 +224,7 @@ def checkpoint_to_resume(run_dir: str | Path) -> Checkpoint:
 def _interrupted(manifest: Path) -> bool:
     """An interim manifest: the run was stopped by a signal and may be continued."""
     try:
-        document = parse_json(read_confined(manifest.parent, manifest.name).decode("utf-8"),
+        document = parse_json(read_confined(manifest.parent, manifest.name),
                               str(manifest))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, InputError):
         return False

@@ -95,7 +95,7 @@ def _logged_steps(path: Path, offset: int) -> set:
     steps = set()
     for number, line in enumerate(data.splitlines(), 1):
         try:
-            record = parse_json(line.decode("utf-8"), f"{path}:{number}")
+            record = parse_json(line, f"{path}:{number}")
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise InputError(f"{path}:{number}: not a JSON line") from None
         step = record.get("step") if isinstance(record, dict) else None
