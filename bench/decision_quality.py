@@ -2,8 +2,10 @@
 
     python bench/decision_quality.py --work-dir DIR [--candidate ADAPTER_DIR ...]
         [--exclude-run RUN_DIR] [--eval-pool 2048] [--eval-samples 8] [--guard-pool 100]
-        [--guard-samples 8] [--draws 2000] [--seed 0] [--pools-only]
+        [--guard-samples 8] [--draws 2000] [--seed 0] [--pools-only] [--mixtures 0.2,0.4]
     python bench/decision_quality.py --work-dir DIR --quick
+    python bench/decision_quality.py --work-dir DIR --real-retests 20 [--perturbed 0.02]
+        [--candidate ADAPTER_DIR ...] [--exclude-run RUN_DIR]
 
 Each policy (the baseline, a null candidate this script builds, every --candidate adapter)
 answers a pool of eval prompts and a pool of guard prompts, several samples each, through
@@ -18,11 +20,23 @@ pools --draws times and judges every draw with the product's evidence assembly a
 
 The null candidate is a PEFT LoRA adapter saved with every B = 0 (grpogate's own fresh
 adapter, `inputs.policy.save_adapter`): its own file and hash, the baseline's function.
+--mixtures adds graded policies between the baseline and the first --candidate: each sample
+of each prompt is the candidate's with the given probability and the baseline's otherwise
+(one seeded coin per sample), so every completion is real and the true gains fall between.
 --exclude-run skips a run's training prompts while drawing the eval pool (its candidates'
 true gains are then on prompts they never trained on). The default guard task (products of
 two one-digit numbers) has exactly 100 distinct problems, so --guard-pool 100 is the whole
 population. --quick runs everything on a tiny random Llama with tiny pools, in seconds: it
 proves the machinery and measures nothing about the product.
+
+--real-retests N checks the resampled design against the real thing: N independent re-tests
+of the default's design (its eval prompts x eval_group_size and guard prompts x group size),
+each with its own sampling seed and its own eval and guard problems (seed, task.eval_seed and
+guard.seed all 1000 + k), every policy answering them fresh, judged by the same code as a
+draw. --perturbed SCALE adds a near-null candidate: the null adapter with seeded random B
+of that scale, whose completions part from the baseline's while its true gain (its pool's)
+stays near 0; the null candidate itself is left out there, its completions being the
+baseline's, identical pair for pair, in every re-test.
 """
 
 from __future__ import annotations
@@ -217,7 +231,8 @@ def load_pool(config, name: str, adapter: str, design: dict, work_dir: Path) -> 
 
 
 def study(work_dir: Path, candidates: list[str], sizes: dict, seed: int, quick: bool,
-          exclude_run: str | None, model: str | None, pools_only: bool = False) -> dict:
+          exclude_run: str | None, model: str | None, pools_only: bool = False,
+          mixtures: tuple[float, ...] = ()) -> dict:
     """Every policy's pool, then `draws` resampled re-tests of each candidate (none with
     `pools_only`: the pools and their generation rate alone)."""
     config = study_config(quick, work_dir, model)
@@ -237,6 +252,12 @@ def study(work_dir: Path, candidates: list[str], sizes: dict, seed: int, quick: 
     if pools_only:
         return {"pools_only": True, "pool_design": design,
                 "generation": generation_rates([baseline] + [pool for _, pool in pools])}
+    # Graded policies: the first candidate mixed into the baseline sample by sample.
+    first = pools[-len(candidates)][1] if candidates else None
+    pools += [(f"mixture {share:g} of {candidates[0]}",
+               {"header": {"identity": f"mixture {share:g}"},
+                **decision_resample.mixture(baseline, first, share, seed)})
+              for share in (mixtures if first else ())]
     results = [{"policy": decision_resample.SELF, "identity": baseline["header"]["identity"],
                 **decision_resample.study_policy(baseline, baseline, settings, sizes["draws"],
                                                  seed, disjoint=True)}]
@@ -249,9 +270,47 @@ def study(work_dir: Path, candidates: list[str], sizes: dict, seed: int, quick: 
                                        "guard_prompts": config.guard.prompts,
                                        "guard_group_size": config.guard.group_size},
             "pool_design": design, "gates": settings["gates"], "results": results,
-            "generation": generation_rates([baseline] + [pool for _, pool in pools]),
+            "generation": generation_rates([baseline] + [pool for _, pool in pools
+                                                        if "seconds" in pool["header"]]),
             "seconds": {"pools": generation_seconds,
                         "resampling": time.monotonic() - started - generation_seconds}}
+
+
+def real_retests(work_dir: Path, candidates: list[tuple[str, str]], count: int,
+                 exclude_run: str | None, model: str | None, quick: bool = False) -> dict:
+    """`count` real re-tests of each (name, adapter) candidate: per re-test, a fresh seed and
+    fresh problems, every policy sampled anew, the whole re-test judged as one draw; the
+    verdicts, each gate's 95 % interval, and P(accept) with its binomial standard error."""
+    from grpogate.config import load_config
+
+    outcomes: dict[str, list[dict]] = {name: [] for name, _ in candidates}
+    started = time.monotonic()
+    for k in range(count):
+        seed = 1000 + k
+        config = load_config("default", model=model, overrides=[
+            *(QUICK_OVERRIDES if quick else []),
+            f"seed={seed}", f"task.eval_seed={seed}", f"guard.seed={seed}"])
+        sizes = {"eval_pool": config.eval_prompts, "eval_samples": config.eval_group_size,
+                 "guard_pool": config.guard.prompts, "guard_samples": config.guard.group_size}
+        design = pool_design(config, sizes, exclude_run)
+        settings = config.to_dict()
+        baseline = load_pool(config, "baseline", "", design, work_dir)
+        for name, adapter in candidates:
+            pool = load_pool(config, name, adapter, design, work_dir)
+            # One "draw" of every prompt and sample: the re-test exactly as it was sampled.
+            evidence = decision_resample.draw_evidence(
+                baseline, pool, settings, decision_resample.WHOLE)
+            verdict = decision_resample.judge(evidence, settings["gates"])
+            outcomes[name].append({
+                "seed": seed, "passed": verdict["passed"],
+                "intervals": {gate: decision_resample.interval(evidence, gate)
+                              for gate in ("reward", "pass_at_group", "guard")}})
+        print(f"real re-test {k + 1}/{count}: " + ", ".join(
+            f"{name} {'accept' if all(o[-1]['passed'].values()) else 'not accepted'}"
+            for name, o in outcomes.items()), flush=True)
+    return {"count": count, "seconds": time.monotonic() - started,
+            "results": {name: decision_resample.summarize_real(runs)
+                        for name, runs in outcomes.items()}}
 
 
 def generation_rates(pools: list[dict]) -> dict:
@@ -273,6 +332,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the resampler's seed")
     parser.add_argument("--pools-only", action="store_true",
                         help="generate (or read) the pools and state their rate; no resampling")
+    parser.add_argument("--real-retests", type=int, default=0, metavar="N",
+                        help="N real re-tests of each candidate (and --perturbed), fresh seeds")
+    parser.add_argument("--mixtures", default="", metavar="SHARES",
+                        help="comma-separated shares: graded policies mixing the first "
+                             "--candidate into the baseline sample by sample")
+    parser.add_argument("--perturbed", type=float, default=0.0, metavar="SCALE",
+                        help="add the null adapter with random B of this scale as a candidate")
     for key in FULL:
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args(argv)
@@ -280,9 +346,23 @@ def main(argv: list[str] | None = None) -> None:
     from grpogate.errors import InputError, visible
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    if args.quick and args.real_retests:
+        args.baseline = args.baseline or str(tiny_model(args.work_dir / "tiny-model"))
+    if args.perturbed:
+        null_dir = null_candidate(study_config(args.quick, args.work_dir, args.baseline),
+                                  args.work_dir / "null-candidate")
+        args.candidate.append(str(perturbed_candidate(
+            null_dir, args.work_dir / f"perturbed-{args.perturbed:g}", args.perturbed)))
+    if args.real_retests:
+        real = real_retests(args.work_dir, [(f"candidate {c}", c) for c in args.candidate],
+                            args.real_retests, args.exclude_run, args.baseline, args.quick)
+        (args.work_dir / "real_retests.json").write_text(json.dumps(real, indent=1) + "\n")
+        print(json.dumps(real["results"], indent=1), flush=True)
+        return
     try:
         result = study(args.work_dir, args.candidate, sizes, args.seed, args.quick,
-                       args.exclude_run, args.baseline, args.pools_only)
+                       args.exclude_run, args.baseline, args.pools_only,
+                       tuple(float(share) for share in args.mixtures.split(",") if share))
     except InputError as error:
         raise SystemExit(f"error: {visible(error)}") from None
     if args.pools_only:

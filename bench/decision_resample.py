@@ -79,6 +79,25 @@ def draw_evidence(baseline: dict, candidate: dict, config: dict, rng: np.random.
     return evidence
 
 
+def mixture(baseline: dict, candidate: dict, share: float, seed: int) -> dict:
+    """The pool of a policy that answers each prompt's sample k as the candidate does with
+    probability `share` and as the baseline does otherwise (one seeded coin per prompt and
+    sample, the same coin for every field): every completion real, every true gain `share`
+    times the candidate's in expectation (the pool's own figure is exact for its coins)."""
+    rng = np.random.default_rng(seed)
+    mixed = {}
+    for name in SETS:
+        base, cand = baseline[name], candidate[name]
+        if base["prompt_ids"] != cand["prompt_ids"]:
+            raise ValueError(f"{name}: the two pools hold different prompts")
+        coins = rng.random(np.shape(base["rewards"])) < share
+        mixed[name] = {"prompt_ids": base["prompt_ids"], **{
+            field: [[(c if coin else b) for b, c, coin in zip(row_b, row_c, row_coins)]
+                    for row_b, row_c, row_coins in zip(base[field], cand[field], coins)]
+            for field in ("rewards", "texts", "tokens", "hit")}}
+    return mixed
+
+
 def expected_pass(rewards: np.ndarray, samples: int) -> np.ndarray:
     """Per prompt, the probability that g samples drawn without replacement from its S hold at
     least one success: 1 - C(S - k, g) / C(S, g), k its successes."""
@@ -108,7 +127,36 @@ def true_gains(baseline: dict, candidate: dict, config: dict) -> dict:
             "baseline_reward": float(eval_b.mean()), "candidate_reward": float(eval_c.mean())}
 
 
-def _interval(evidence: dict, gate: str) -> dict | None:
+class _Whole:
+    """The "draw" that takes every prompt and every sample in order: a real re-test judged as
+    it was sampled (draw_design's interface: `choice` and `random`)."""
+
+    @staticmethod
+    def choice(count: int, size: int, replace: bool = False) -> np.ndarray:
+        return np.arange(size)
+
+    @staticmethod
+    def random(shape: tuple[int, int]) -> np.ndarray:
+        return np.tile(np.arange(shape[1], dtype=float), (shape[0], 1))
+
+
+WHOLE = _Whole()
+
+
+def summarize_real(runs: list[dict]) -> dict:
+    """Real re-tests' verdicts: P(accept), P(each gate fails), each with its binomial standard
+    error, and every re-test's intervals (for coverage against a pool's truth)."""
+    count = len(runs)
+    accepted = sum(all(run["passed"].values()) for run in runs)
+    se = lambda k: math.sqrt(max(k * (count - k), 1) / count) / count  # noqa: E731
+    failed = {gate: sum(not run["passed"].get(gate, True) for run in runs) for gate in GATES}
+    return {"count": count, "accepted": accepted, "p_accept": accepted / count,
+            "p_accept_se": se(accepted),
+            "p_fail": {gate: k / count for gate, k in failed.items()},
+            "runs": runs}
+
+
+def interval(evidence: dict, gate: str) -> dict | None:
     """The recorded 95 % paired interval each gate's truth is compared with."""
     section, field = {"reward": ("comparison", "reward_mean_gain"),
                       "pass_at_group": ("comparison", "pass_at_group_gain"),
@@ -144,9 +192,9 @@ def study_policy(baseline: dict, candidate: dict, config: dict, draws: int, seed
         for gate, passed in verdict["passed"].items():
             failed[gate] += not passed
         for gate in ("reward", "pass_at_group", "guard"):
-            interval, true = _interval(evidence, gate), truth[gate]["point"]
-            covered[gate] += interval["low"] <= true <= interval["high"]
-            widths.setdefault(gate, []).append(interval["high"] - interval["low"])
+            bounds, true = interval(evidence, gate), truth[gate]["point"]
+            covered[gate] += bounds["low"] <= true <= bounds["high"]
+            widths.setdefault(gate, []).append(bounds["high"] - bounds["low"])
             test = verdict["tests"].get(gate) or {}
             if isinstance(test.get("detectable_difference"), float):
                 detectable.setdefault(gate, []).append(test["detectable_difference"])

@@ -219,3 +219,70 @@ def test_quick_runs_end_to_end_and_reuses_its_pools(tiny_model_dir, tmp_path, ca
     decision_quality.main(arguments)  # the pools are read back, not generated again
     assert "generating" not in capsys.readouterr().out
     assert sorted((work / "pools").iterdir()) == pools
+
+
+def test_a_whole_draw_judges_the_re_test_exactly_as_it_was_sampled():
+    # 2 prompts x 2 samples each side, the whole re-test: the per-prompt mean differences are
+    # (1 + 0)/2 - 0 = 0.5 and 1 - (1 + 1)/2 = 0; their mean 0.25 is the recorded reward gain.
+    baseline = {"eval": _pool([[0.0, 0.0], [1.0, 1.0]], "e"),
+                "guard": _pool([[1.0, 0.0], [0.0, 0.0]], "g")}
+    candidate = {"eval": _pool([[1.0, 0.0], [1.0, 1.0]], "e"),
+                 "guard": _pool([[1.0, 0.0], [0.0, 0.0]], "g")}
+    config = _config()
+    chosen, (samples,) = decision_resample.draw_design(decision_resample.WHOLE, 2, 2, 2, 2)
+    assert chosen.tolist() == [0, 1] and samples.tolist() == [[0, 1], [0, 1]]
+    evidence = decision_resample.draw_evidence(baseline, candidate, config,
+                                               decision_resample.WHOLE)
+    gain = decision_resample.interval(evidence, "reward")
+    assert gain["point"] == pytest.approx(0.25)
+    assert decision_resample.interval(evidence, "guard")["point"] == 0.0
+
+
+def test_real_re_tests_are_summarized_with_their_binomial_error():
+    def run(**passed):
+        return {"passed": {gate: passed.get(gate, True) for gate in decision_resample.GATES}}
+
+    # 4 re-tests: 3 accepted, one failing reward: P(accept) 3/4, SE sqrt(3 x 1 / 4) / 4 =
+    # sqrt(0.75) / 4 = 0.21651; P(reward fails) 1/4, every other gate 0.
+    summary = decision_resample.summarize_real([run(), run(reward=False), run(), run()])
+    assert summary["p_accept"] == 0.75 and summary["accepted"] == 3
+    assert summary["p_accept_se"] == pytest.approx(math.sqrt(0.75) / 4)
+    assert summary["p_fail"] == {"reward": 0.25, "pass_at_group": 0.0, "guard": 0.0,
+                                 "effective_update": 0.0}
+
+
+def test_quick_real_re_tests_use_fresh_seeds_and_problems(tiny_model_dir, tmp_path):
+    import decision_quality
+
+    work = tmp_path / "real"
+    decision_quality.main(["--work-dir", str(work), "--quick", "--baseline",
+                           str(tiny_model_dir), "--real-retests", "2", "--perturbed", "0.05"])
+    real = json.loads((work / "real_retests.json").read_text())
+    (name, summary), = real["results"].items()
+    assert "perturbed-0.05" in name and summary["count"] == 2
+    assert [run["seed"] for run in summary["runs"]] == [1000, 1001]
+    # Per re-test one baseline and one candidate pool, each its own problems and seed.
+    headers = [json.loads(path.read_text().splitlines()[0])
+               for path in (work / "pools").iterdir()]
+    assert len(headers) == 4
+    assert {h["design"]["seed"] for h in headers} == {1000, 1001}
+    assert {h["design"]["task"]["eval_seed"] for h in headers} == {1000, 1001}
+
+
+def test_a_mixture_takes_each_sample_whole_from_one_of_the_two_pools():
+    baseline = {"eval": _pool([[0.0] * 50] * 4, "e"), "guard": _pool([[0.0] * 50] * 2, "g")}
+    candidate = {"eval": _pool([[1.0] * 50] * 4, "e"), "guard": _pool([[1.0] * 50] * 2, "g")}
+    assert decision_resample.mixture(baseline, candidate, 0.0, 0)["eval"]["rewards"] == (
+        baseline["eval"]["rewards"])
+    assert decision_resample.mixture(baseline, candidate, 1.0, 0)["eval"]["rewards"] == (
+        candidate["eval"]["rewards"])
+    mixed = decision_resample.mixture(baseline, candidate, 0.3, 0)["eval"]
+    # _pool's texts end in the reward: every sample's text and reward come from the same pool.
+    for row_rewards, row_texts in zip(mixed["rewards"], mixed["texts"]):
+        assert all(text.endswith(f"-{reward}") for reward, text in zip(row_rewards, row_texts))
+    # 200 coins at 0.3: the share of candidate samples within 4 binomial SE of 0.3.
+    share = np.mean(mixed["rewards"])
+    assert abs(share - 0.3) <= _tolerance(0.3, 200)
+    other = dict(candidate, eval=_pool([[1.0] * 50] * 3, "e"))
+    with pytest.raises(ValueError, match="different prompts"):
+        decision_resample.mixture(baseline, other, 0.5, 0)
