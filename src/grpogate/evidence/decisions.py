@@ -33,6 +33,10 @@ CONTRACT_CHECKS = ("prompt_identity", "policy_version", "verifier_version", "gro
 # empty or non-list rollout, yet it must not be admitted.
 NO_GROUPS_CHECK = "groups"
 FOREIGN_LOG = "trainer_log"  # rollout["source"] of a run gated from another trainer's log
+NOT_RECORDED = "not_recorded"  # rollout["source"] of a candidate gated without a trainer's log
+# What a candidate gated without its trainer's log cannot show: these rows say "not recorded"
+# and pass, and the decision rests on the re-test, the guard and the re-test KL.
+TRAINING_SIDE_CHECKS = ("effective_groups", "effective_throughput", "updates", "truncation")
 _SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII | re.IGNORECASE)
 
 
@@ -211,6 +215,10 @@ def _candidate_checks(evidence: Any, gates: Any) -> tuple[dict[str, Any], list[d
         _gate_row("memory", _get(evidence, "resources", "peak_allocated_bytes"), gates,
                   "maximum_peak_allocated_bytes"),
     ]
+    if _get(rollout, "source") == NOT_RECORDED:
+        metrics = dict.fromkeys(metrics)  # unknown: None, never a made-up zero
+        rows = [_row(row["name"], "not recorded", row["threshold"], True, "tune")
+                if row["name"] in TRAINING_SIDE_CHECKS else row for row in rows]
     return metrics, rows
 
 

@@ -32,6 +32,9 @@ from grpogate.evidence.assemble import (EVIDENCE_VERSION, bootstrap_settings, co
 SOURCE = decisions.FOREIGN_LOG
 SOURCE_NOTE = ("read from the trainer's own log (trainer_state.json log_history); the run "
                "stored no trajectories, so these figures cannot be re-derived from completions")
+NOT_RECORDED_NOTE = ("not recorded: the candidate came without its trainer's log, so its groups, "
+                     "updates, truncation and throughput are unknown; the decision rests on the "
+                     "re-test, the guard and the re-test KL")
 WHOLE_TOLERANCE = 1e-3  # TRL logs the fraction as a float32 mean: 1/3 is 0.3333333432674408
 
 
@@ -228,17 +231,35 @@ def update_from_log(steps: list[dict], trainer_state: dict, settings: dict) -> d
     }
 
 
-def assemble_foreign_evidence(facts: dict, config: dict, trainer_state: dict,
+def unrecorded_sections() -> tuple[dict, dict]:
+    """The rollout and update sections of a candidate gated without its trainer's log: every
+    training-side figure None (unknown), marked so; decisions.py reads the source."""
+    marked = {"source": decisions.NOT_RECORDED, "source_note": NOT_RECORDED_NOTE}
+    rollout = marked | {"group_size": None, "reward_component_means": {},
+                        "seconds_source": "not recorded"} | dict.fromkeys((
+                            "group_count", "valid_group_count", "valid_group_ratio",
+                            "total_trajectories", "effective_trajectory_count",
+                            "max_length_hit_ratio", "mean_reward", "generated_tokens",
+                            "rollout_seconds"))
+    update = marked | {"update_count": None, "update_seconds": 0.0, "grad_norm": []}
+    return rollout, update
+
+
+def assemble_foreign_evidence(facts: dict, config: dict, trainer_state: dict | None,
                               eval_records: list[dict], guard_records: list[dict] = ()) -> dict:
     """The evidence document of a gated foreign run, from what the gate knows (`facts`: run_label,
     created, environment, inputs, foreign (with settings and admission), contract, seconds
-    (load, evaluation, total), retest_verifier_errors, retest_skipped, resources, artifact)
-    and the stored records. `grpogate decide` calls it again on the stored files."""
+    (load, evaluation, total), retest_verifier_errors, retest_skipped, resources, artifact),
+    the trainer's log (None: not recorded) and the stored records. `grpogate decide` calls it
+    again on the stored files."""
     foreign = facts["foreign"]
-    where = "trainer_state.json"
-    steps = log_steps(trainer_state, foreign["settings"], where)
-    rollout = rollout_from_log(steps, trainer_state, config["group_size"])
-    update = update_from_log(steps, trainer_state, foreign["settings"])
+    steps = []
+    if trainer_state is None:
+        rollout, update = unrecorded_sections()
+    else:
+        steps = log_steps(trainer_state, foreign["settings"], "trainer_state.json")
+        rollout = rollout_from_log(steps, trainer_state, config["group_size"])
+        update = update_from_log(steps, trainer_state, foreign["settings"])
     comparison = (skipped_comparison(config) if facts["retest_skipped"] else
                   comparison_section(eval_records, config, facts["retest_verifier_errors"]))
     loop_status = "ok" if not facts["retest_skipped"] else "not_admitted"
