@@ -1,16 +1,19 @@
-"""Gate a run trained elsewhere (`grpogate gate --from-trl DIR`): the second half of a run.
+"""Gate a run trained elsewhere (`grpogate gate --from-trl DIR | --candidate DIR`): the second
+half of a run.
 
 A TRL `GRPOTrainer` output directory holds a PEFT adapter and the trainer's log, no
-trajectories. The stages, each one call, in order: read the directory as data (no pickle is
-ever opened: inputs/trl_output.py) and the log's arithmetic (evidence/trainer_log.py);
-admission (the adapter's base model must be the named baseline's, the verifier is fixed by
-name and version, no eval prompt may appear inside a text the trainer trained on, as the user
-names them: inputs/training_prompts.py);
-load the baseline and put the foreign adapter in the candidate's place; the pipeline's own
-re-test (same seeds, same prompts, paired); assemble the evidence and write the run directory
-with the pipeline's own writer (problems, re-test records, evidence, the manifest last, the
-report). Nothing is written before admission passes; an adapter of another base model is not
-re-tested and is delivered as `reject` naming `baseline_identity`.
+trajectories; a candidate from any trainer (`--candidate`) is a PEFT adapter or a full Hugging
+Face checkpoint, with no log (inputs/candidate_dir.py). The stages, each one call, in order:
+read the directory as data (no pickle is ever opened: inputs/trl_output.py,
+inputs/candidate_dir.py) and the log's arithmetic (evidence/trainer_log.py); admission (an
+adapter's base model must be the named baseline's, a full checkpoint must be of the baseline's
+architecture exactly: inputs/full_candidate.py; the verifier is fixed by name and version, no
+eval prompt may appear inside a text the trainer trained on, as the user names them:
+inputs/training_prompts.py); load the baseline and put the candidate in the trained policy's
+place; the pipeline's own re-test (same seeds, same prompts, paired); assemble the evidence and
+write the run directory with the pipeline's own writer (problems, re-test records, evidence,
+the manifest last, the report). Nothing is written before admission passes; an adapter of
+another base model is not re-tested and is delivered as `reject` naming `baseline_identity`.
 """
 
 from __future__ import annotations
@@ -26,12 +29,17 @@ from pathlib import Path
 from grpogate.config import RunConfig, validate
 from grpogate.errors import InputError
 from grpogate.evidence.foreign_audit import TRAINER_STATE_FILE
-from grpogate.evidence.trainer_log import SOURCE_NOTE, assemble_foreign_evidence, log_steps
+from grpogate.evidence.trainer_log import (NOT_RECORDED_NOTE, SOURCE_NOTE,
+                                            assemble_foreign_evidence, log_steps)
 from grpogate.files import (ADAPTER_WEIGHTS, RunDirLock, atomic_directory, atomic_write_bytes,
-                            create_run_dir, policy_version, refuse_existing_output,
-                            refuse_output_inside_a_run, safetensors_sha256, sha256_path)
+                            create_run_dir, refuse_existing_output, refuse_output_inside_a_run,
+                            sha256_path)
 from grpogate.inputs import isolation, tasks
 from grpogate.inputs.candidate import attach_candidate
+from grpogate.inputs.full_candidate import attach_full_candidate
+from grpogate.inputs.candidate_dir import (FULL_CHECKPOINT, PEFT_ADAPTER, Candidate,
+                                           candidate_version, checkpoint_identity, file_hashes,
+                                           read_candidate)
 from grpogate.inputs.policy import (BaseModelSource, check_adapter_dir, default_cache_dir,
                                     load_policy, resolve_base_model)
 from grpogate.inputs.trl_output import (ADAPTER_CONFIG, TrlOutput, read_settings_file,
@@ -48,13 +56,15 @@ from grpogate.inputs.training_prompts import checked_isolation, training_problem
 
 @dataclass
 class GateRequest:
-    """What `grpogate gate` is asked: the foreign directory and what only the user knows."""
+    """What `grpogate gate` is asked: the foreign directory (a TRL output directory, or a
+    candidate from any trainer) and what only the user knows."""
 
-    trl_dir: str
+    trl_dir: str = ""
     trl_args: str = ""  # JSON/TOML file of the run's GRPOConfig fields
     num_generations: int | None = None
     train_data: str = ""  # the training dataset file (JSONL rows with TRL's "prompt" column)
     train_from_config: bool = False  # the training prompts are the config's own train split
+    candidate: str = ""  # a PEFT adapter folder or a full checkpoint, without a trainer's log
 
 
 def baseline_identity(named: str, base: BaseModelSource) -> dict:
@@ -114,9 +124,10 @@ def chat_renderer(config: RunConfig):
 @dataclass
 class Admitted:
     config: RunConfig
-    found: TrlOutput
+    found: Candidate  # the candidate itself (a TRL directory's adapter, or --candidate's)
+    trl: TrlOutput | None  # the TRL directory and its log; None: no trainer's log
     settings: dict
-    settings_source: str
+    settings_source: str | None
     run_dir: Path
     verifier: object
     eval_set: list
@@ -128,15 +139,21 @@ class Admitted:
 
 
 def admit(config: RunConfig, request: GateRequest) -> Admitted:
-    """Everything checked before a weight loads or a file is written; InputError otherwise."""
-    found = read_trl_output(request.trl_dir)
-    declared = read_settings_file(request.trl_args) if request.trl_args else {}
-    if request.num_generations is not None:
-        declared["num_generations"] = request.num_generations
-    where = request.trl_args or "--num-generations"
-    settings = trl_settings(found, declared, where)
-    log_steps(found.trainer_state, settings, str(found.trainer_state_file))
-    config = validate(dataclasses.replace(config, group_size=settings["num_generations"]))
+    """Everything checked before a weight loads or a file is written; InputError otherwise
+    (a full checkpoint's architecture, which needs the baseline loaded: `_identify`)."""
+    if bool(request.trl_dir) == bool(request.candidate):
+        raise InputError("gate: give exactly one of --from-trl DIR (a TRL output directory) and "
+                         "--candidate DIR (a PEFT adapter or a Hugging Face checkpoint)")
+    trl, settings, where = None, {}, None
+    if request.candidate:
+        found = read_candidate(request.candidate)
+    else:
+        trl = read_trl_output(request.trl_dir)
+        found = Candidate(PEFT_ADAPTER, trl.adapter_dir, trl.adapter_config,
+                          [ADAPTER_CONFIG, ADAPTER_WEIGHTS], [ADAPTER_WEIGHTS],
+                          trl.pickles_not_loaded)
+        settings, where = _trl_settings(trl, request)
+        config = validate(dataclasses.replace(config, group_size=settings["num_generations"]))
     run_dir = run_dir_for(config)
     refuse_existing_output(run_dir)
     refuse_output_inside_a_run(run_dir)
@@ -150,8 +167,20 @@ def admit(config: RunConfig, request: GateRequest) -> Admitted:
     train, train_identity, source, searched = training_problems(
         config, request.train_data, request.train_from_config, chat_renderer(config))
     isolated = checked_isolation(train, searched, eval_set, source)
-    return Admitted(config, found, settings, where, run_dir, verifier, eval_set, eval_identity,
-                    train, train_identity, isolated, searched)
+    return Admitted(config, found, trl, settings, where, run_dir, verifier, eval_set,
+                    eval_identity, train, train_identity, isolated, searched)
+
+
+def _trl_settings(trl: TrlOutput, request: GateRequest) -> tuple[dict, str]:
+    """The GRPO settings a TRL log is read with, and where they were declared; the log's
+    arithmetic checked with them."""
+    declared = read_settings_file(request.trl_args) if request.trl_args else {}
+    if request.num_generations is not None:
+        declared["num_generations"] = request.num_generations
+    where = request.trl_args or "--num-generations"
+    settings = trl_settings(trl, declared, where)
+    log_steps(trl.trainer_state, settings, str(trl.trainer_state_file))
+    return settings, where
 
 
 def source_of(admitted: Admitted) -> str:
@@ -196,47 +225,74 @@ def _retest(admitted: Admitted, policy, candidate_version: str, reporter, guard_
 
 
 def _copy_inputs(admitted: Admitted, run_dir: Path) -> str:
-    """The adapter (its config and weights, byte for byte) and the trainer's log, copied into
-    the run; returns the weights' sha256."""
-    with atomic_directory(run_dir / "adapter") as staging:
-        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-            shutil.copyfile(admitted.found.adapter_dir / name, staging / name)
-    atomic_write_bytes(run_dir / TRAINER_STATE_FILE, admitted.found.trainer_state_file.read_bytes())
+    """The candidate (its config and weights, byte for byte: `adapter/` for an adapter,
+    `candidate/` for a full checkpoint) and the trainer's log, if any, copied into the run;
+    returns the artifact's sha256 (an adapter's weights file; a checkpoint's identity, of the
+    copies)."""
+    found, folder = admitted.found, artifact_folder(admitted.found)
+    with atomic_directory(run_dir / folder) as staging:
+        for name in found.files:
+            shutil.copyfile(found.directory / name, staging / name)
+    if admitted.trl is not None:
+        atomic_write_bytes(run_dir / TRAINER_STATE_FILE,
+                           admitted.trl.trainer_state_file.read_bytes())
     atomic_write_bytes(run_dir / "trajectories.jsonl", b"")  # none exist: the log is all there is
-    return sha256_path(run_dir / "adapter" / ADAPTER_WEIGHTS)
+    if found.kind == FULL_CHECKPOINT:
+        return checkpoint_identity(file_hashes(run_dir / folder, found.files))
+    return sha256_path(run_dir / folder / ADAPTER_WEIGHTS)
+
+
+def artifact_folder(found: Candidate) -> str:
+    return "candidate" if found.kind == FULL_CHECKPOINT else "adapter"
+
+
+def _identify(admitted: Admitted, policy) -> dict:
+    """Admission of the candidate against the loaded baseline: an adapter names its base model
+    (a mismatch is delivered as `reject`); a full checkpoint is of the baseline's architecture
+    exactly (else InputError) and is put in the candidate's place here."""
+    found = admitted.found
+    if found.kind == PEFT_ADAPTER:
+        return baseline_identity(found.base_model_name, policy.base)
+    attach_full_candidate(policy, found)
+    return {"baseline": policy.base.identity(), "matches": True,
+            "how": "a full checkpoint of the baseline's architecture: its config.json and every "
+                   "tensor's name, shape and dtype"}
 
 
 def gate(config: RunConfig, request: GateRequest, reporter=None) -> dict:
     """Admit, re-test and deliver a foreign run; returns the evidence (also on disk)."""
     reporter = reporter or NullReporter()
     admitted = admit(config, request)
-    config = admitted.config
+    config, found = admitted.config, admitted.found
     started = time.perf_counter()
     policy = load_policy(config, adapter=config.adapter, seed=config.seed)
+    identity = _identify(admitted, policy)
     load_seconds = time.perf_counter() - started
-    identity = baseline_identity(admitted.found.base_model_name, policy.base)
-    candidate_version = policy_version(policy.base.sha256, safetensors_sha256(
-        admitted.found.adapter_dir / ADAPTER_WEIGHTS))
+    hashes = file_hashes(found.directory, found.files)
+    version = candidate_version(found, policy.base.sha256, hashes)
     guard_set, guard_identity, guard_verifier = _guard(admitted)
     records, guard_records, errors, evaluation_seconds = [], [], 0, 0.0
     if identity["matches"]:
-        attach_candidate(policy, admitted.found.adapter_dir)
+        if found.kind == PEFT_ADAPTER:
+            attach_candidate(policy, found.directory)
         started = time.perf_counter()
-        records, guard_records, errors = _retest(admitted, policy, candidate_version, reporter,
+        records, guard_records, errors = _retest(admitted, policy, version, reporter,
                                                  guard_set, guard_verifier)
         evaluation_seconds = time.perf_counter() - started
     run_dir = admitted.run_dir
     create_run_dir(run_dir)
     with RunDirLock(run_dir):
-        adapter_sha = _copy_inputs(admitted, run_dir)
-        facts = _facts(admitted, policy, identity, candidate_version, adapter_sha, errors,
+        artifact_sha = _copy_inputs(admitted, run_dir)
+        facts = _facts(admitted, policy, identity, version, artifact_sha, errors,
                        {"load": load_seconds, "evaluation": evaluation_seconds,
                         "total": load_seconds + evaluation_seconds})
         facts["inputs"] |= {"guard_set": guard_identity, "guard_verifier": (
             {"name": config.guard.verifier(), "version": guard_verifier.version}
             if guard_verifier is not None else None)}
-        evidence = assemble_foreign_evidence(facts, config.to_dict(),
-                                             admitted.found.trainer_state, records, guard_records)
+        facts["foreign"] = _foreign(admitted, identity, hashes)
+        evidence = assemble_foreign_evidence(
+            facts, config.to_dict(), admitted.trl.trainer_state if admitted.trl else None,
+            records, guard_records)
         problems = tasks.problem_records(config.task, admitted.train or [], admitted.eval_set,
                                          config.guard, guard_set)
         write_run_files(run_dir, evidence, problems, records, [], reporter, guard_records)
@@ -244,11 +300,36 @@ def gate(config: RunConfig, request: GateRequest, reporter=None) -> dict:
     return evidence
 
 
-def _facts(admitted: Admitted, policy, identity: dict, candidate_version: str, adapter_sha: str,
+def _foreign(admitted: Admitted, identity: dict, hashes: dict) -> dict:
+    """The evidence's `foreign` section: where the candidate came from, its kind, the log (if
+    any) and the settings it was read with, what was never loaded, and the admission."""
+    found, trl = admitted.found, admitted.trl
+    common = {"candidate_kind": found.kind, "pickles_not_loaded": found.pickles_not_loaded,
+              "settings": admitted.settings, "settings_source": admitted.settings_source,
+              "admission": {"baseline_identity": identity, "isolation": admitted.isolation}}
+    if trl is None:
+        return common | {
+            "trainer": "an unnamed trainer", "directory": str(found.directory), "files": hashes,
+            "trainer_state_file": None, "trainer_state_sha256": None,
+            "pickles_note": "pickles (*.bin, *.pt, *.pth, *.pkl) are never loaded: loading one "
+                            "can run code; the weights load from safetensors alone",
+            "rollout_source": NOT_RECORDED_NOTE}
+    return common | {
+        "trainer": "trl", "directory": str(trl.directory), "adapter_dir": str(trl.adapter_dir),
+        "trainer_state_file": str(trl.trainer_state_file),
+        "trainer_state_sha256": sha256_path(trl.trainer_state_file),
+        "pickles_note": "pickles (training_args.bin, optimizer.pt, ...) are never loaded: "
+                        "loading one can run code; the settings come from trainer_state.json "
+                        "and the user",
+        "rollout_source": SOURCE_NOTE}
+
+
+def _facts(admitted: Admitted, policy, identity: dict, candidate_version: str, artifact_sha: str,
            verifier_errors: int, seconds: dict) -> dict:
-    config, found = admitted.config, admitted.found
-    reward_names = sorted({name for entry in found.trainer_state["log_history"] for name in entry
-                           if name.startswith("rewards/") and name.endswith("/mean")})
+    config, trl = admitted.config, admitted.trl
+    reward_names = sorted({name for entry in trl.trainer_state["log_history"] for name in entry
+                           if name.startswith("rewards/") and name.endswith("/mean")}
+                          if trl is not None else ())
     return {
         "run_label": config.label or admitted.run_dir.name,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -264,27 +345,17 @@ def _facts(admitted: Admitted, policy, identity: dict, candidate_version: str, a
             "rewards": [{"name": name[len("rewards/"):-len("/mean")], "source": "trainer_log"}
                         for name in reward_names],
             "train_set": admitted.train_identity, "eval_set": admitted.eval_identity},
-        "foreign": {
-            "trainer": "trl", "directory": str(found.directory),
-            "adapter_dir": str(found.adapter_dir), "trainer_state_file": str(found.trainer_state_file),
-            "trainer_state_sha256": sha256_path(found.trainer_state_file),
-            "pickles_not_loaded": found.pickles_not_loaded,
-            "pickles_note": "pickles (training_args.bin, optimizer.pt, ...) are never loaded: "
-                            "loading one can run code; the settings come from trainer_state.json "
-                            "and the user",
-            "settings": admitted.settings, "settings_source": admitted.settings_source,
-            "rollout_source": SOURCE_NOTE,
-            "admission": {"baseline_identity": identity, "isolation": admitted.isolation}},
         "contract": {"admitted": identity["matches"],
                      "failed_checks": [] if identity["matches"] else ["baseline_identity"],
-                     "note": "a foreign run has no trajectories: admission checks the adapter's "
-                             "base model and the eval set's isolation"},
+                     "note": "a run trained elsewhere has no trajectories: admission checks the "
+                             "candidate's baseline (an adapter's base model, a checkpoint's "
+                             "architecture) and the eval set's isolation"},
         "seconds": seconds, "retest_verifier_errors": verifier_errors,
         "retest_skipped": not identity["matches"],
         "resources": peak_memory(policy.device) | {
             "measured": "the gate's re-test on this machine; the foreign training's memory is "
                         "not in its log"},
-        "artifact": {"path": "adapter", "sha256": adapter_sha,
+        "artifact": {"path": artifact_folder(admitted.found), "sha256": artifact_sha,
                      "source_policy_version": policy.baseline_version,
                      "new_policy_version": candidate_version},
     }

@@ -1,4 +1,5 @@
-"""`grpogate gate --from-trl DIR`: parse, call trl_gate, print (cli/__init__.py registers it).
+"""`grpogate gate --from-trl DIR | --candidate DIR`: parse, call trl_gate, print
+(cli/__init__.py registers it).
 
 The printing is the run's own (`print_result`, handed in by cli/__init__.py): a gated run ends exactly
 as a `grpogate run` does, with the gates table, the re-test line and the decision.
@@ -16,15 +17,25 @@ from grpogate.errors import InputError
 from grpogate.cli.terminal import RichReporter, console, fail, progress_bars
 
 
+# The two doors (exactly one): a TRL run with its log, or a candidate from any trainer.
+FROM_TRL = typer.Option("", "--from-trl", metavar="DIR", help="A TRL GRPOTrainer output_dir (or "
+                        "one checkpoint-N/): adapter_config.json + adapter_model.safetensors "
+                        "and trainer_state.json. Pickles are never loaded.")
+CANDIDATE = typer.Option("", "--candidate", metavar="DIR", help="A candidate from any trainer, "
+                         "without its log: a PEFT adapter folder (adapter_config.json + "
+                         "adapter_model.safetensors) or a Hugging Face checkpoint (config.json + "
+                         "model.safetensors, or shards with model.safetensors.index.json). "
+                         "Pickles are never loaded.")
+
+
 def gate_command(print_result: Callable[[dict, bool], None]):
     def gate(
-        from_trl: str = typer.Option(..., "--from-trl", metavar="DIR",
-                                     help="A TRL GRPOTrainer output_dir (or one checkpoint-N/): "
-                                     "adapter_config.json + adapter_model.safetensors and "
-                                     "trainer_state.json. Pickles are never loaded."),
+        from_trl: str = FROM_TRL,
+        candidate: str = CANDIDATE,
         baseline: Optional[str] = typer.Option(
-            None, metavar="BASE[+ADAPTER]", help="The baseline the adapter was trained from "
-            "(default: the profile's model); the adapter's base_model_name_or_path must name it."),
+            None, metavar="BASE[+ADAPTER]", help="The baseline the candidate was trained from "
+            "(default: the profile's model); an adapter's base_model_name_or_path must name it, "
+            "a checkpoint must be of its architecture."),
         trl_args: str = typer.Option("", "--trl-args", metavar="FILE", help="The run's GRPOConfig "
                                      "fields as JSON (trainer.args.to_json_string()) or TOML."),
         num_generations: Optional[int] = typer.Option(
@@ -54,7 +65,8 @@ def gate_command(print_result: Callable[[dict, bool], None]):
         exit_code_from_decision: bool = typer.Option(
             False, "--exit-code-from-decision", help="Exit 0 on accept, 3 on tune, 4 on reject."),
     ) -> None:
-        """Gate a run trained with TRL: admission, the paired re-test, the gates, a manifest."""
+        """Gate a candidate trained elsewhere (a TRL run, or any trainer's adapter or
+        checkpoint): admission, the paired re-test, the gates, a manifest."""
         from grpogate.review.standalone_eval import parse_policy_spec, parse_tasks_spec
         from grpogate.trl_gate import GateRequest, gate as gate_run
 
@@ -64,7 +76,7 @@ def gate_command(print_result: Callable[[dict, bool], None]):
                                  label=label, model=model, adapter=adapter, device=device,
                                  dtype=dtype, task=parse_tasks_spec(task) if task else None)
             request = GateRequest(from_trl, trl_args, num_generations, train_data,
-                                  train_from_config)
+                                  train_from_config, candidate)
             with progress_bars() as progress:
                 evidence = gate_run(config, request, RichReporter(progress))
         except InputError as error:

@@ -196,8 +196,9 @@ def stored_problem_sets(run_dir: Path, audit: Audit) -> dict[str, list] | None:
 # --- hashes and versions ---------------------------------------------------------------------------------
 
 def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
-                 trajectories: list[dict]) -> None:
-    """Every file the manifest pins, the trace ids, the adapter, and the manifest's summary.
+                 trajectories: list[dict], adapter: bool = True) -> None:
+    """Every file the manifest pins, the trace ids, the adapter, and the manifest's summary
+    (`adapter=False`: the artifact is a full checkpoint, whose identity the caller checks).
     InputError for a manifest listing over MAX_MANIFEST_FILES names, FileTooLarge as
     `_bound_hashing` raises it, both before anything is hashed."""
     files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
@@ -209,7 +210,7 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
     on_disk = [name for name in RUN_FILES if confined(run_dir, name)]
     if adapter_path and (run_dir / adapter_path).is_dir():
         on_disk += [f"{adapter_path}/{p.name}" for p in sorted((run_dir / adapter_path).glob("*"))]
-    weights = f"{adapter_path}/{ADAPTER_WEIGHTS}" if adapter_path else None
+    weights = f"{adapter_path}/{ADAPTER_WEIGHTS}" if adapter_path and adapter else None
     _bound_hashing(run_dir, [weights, *on_disk, *files], weights)
     _check_listed(audit, run_dir, files, weights)
     for name in on_disk:
@@ -223,8 +224,9 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
         "trajectories_sha256": file_sha(audit, run_dir, "trajectories.jsonl"),
         "evidence_sha256": file_sha(audit, run_dir, "evidence.json")})
 
-    audit.compare("artifact.sha256", (evidence.get("artifact") or {}).get("sha256"),
-                  file_sha(audit, run_dir, weights, weights) if weights else None)
+    if adapter:
+        audit.compare("artifact.sha256", (evidence.get("artifact") or {}).get("sha256"),
+                      file_sha(audit, run_dir, weights, weights) if weights else None)
     # The rest of the manifest is a summary of the evidence: rebuild it, listing the files
     # without hashing them again (each was hashed once above), and compare.
     try:
@@ -294,7 +296,8 @@ def unknown_fields(audit: Audit, name: str, recorded: dict, rebuilt: dict) -> No
             audit.mismatch(f"{name}: unknown field {key!r}", recorded[key], "absent")
 
 
-def anchored_versions(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, str]:
+def anchored_versions(audit: Audit, run_dir: Path, evidence: dict,
+                      candidate: str | None = None) -> dict[str, str]:
     """The policy versions recomputed from the artifacts themselves, not from the hash list.
 
     A forger who swaps adapter/ for another run's and recomputes every file hash still has to
@@ -310,13 +313,16 @@ def anchored_versions(audit: Audit, run_dir: Path, evidence: dict) -> dict[str, 
     file on the descriptor, exactly the size its header declares (longer, or declaring more
     than MAX_SAFETENSORS_DATA: FileTooLarge, exit 2; shorter: truncated, a mismatch), hashed
     a block at a time. Unreadable is a mismatch;
-    absent, the recorded version is taken."""
+    absent, the recorded version is taken. `candidate`: the candidate's version as the caller
+    recomputed it from a full checkpoint (no adapter to read)."""
     inputs, artifact = evidence["inputs"], evidence.get("artifact") or {}
     base = (inputs.get("model") or {}).get("sha256")
     versions = {"baseline": inputs.get("baseline_policy_version"),
                 "candidate": artifact.get("new_policy_version")}
     weights = confined(run_dir, f"{artifact.get('path') or 'adapter'}/{ADAPTER_WEIGHTS}")
-    if weights is not None:
+    if candidate is not None:
+        versions["candidate"] = candidate
+    elif weights is not None:
         versions["candidate"] = _version_of(audit, base, weights,
                                             "artifact (adapter weights unreadable",
                                             versions["candidate"])

@@ -135,6 +135,8 @@ class Policy:
     baseline_adapter_sha256: str | None  # sha256 of the baseline adapter file, if any
     baseline_version: str
     device: torch.device
+    # A full-weight candidate (inputs/full_candidate.py): (module, attribute, tensor) per slot
+    full_weights: list | None = None
 
     @property
     def has_baseline_adapter(self) -> bool:
@@ -360,15 +362,19 @@ def sampling_weights(policy: Policy, baseline: bool = False):
     tensor W + scale * B @ A for the duration of sampling, the adapters are bypassed, and the
     original tensor objects are put back afterwards — the base weights are never modified in
     place, so they stay bit-identical (PEFT's merge/unmerge would add and subtract in place).
+    A full-weight candidate (`policy.full_weights`) swaps in every base tensor the same way.
     """
     from peft.tuners.lora import LoraLayer
 
     if baseline:
         adapter = REFERENCE if policy.has_baseline_adapter else None
     else:
-        adapter = TRAINABLE
-    swapped = []
+        adapter = TRAINABLE if policy.full_weights is None else None
+    swapped = []  # (module, attribute, the original tensor)
     try:
+        for module, attribute, tensor in [] if baseline else policy.full_weights or []:
+            swapped.append((module, attribute, getattr(module, attribute)))
+            setattr(module, attribute, torch.nn.Parameter(tensor, requires_grad=False))
         if adapter is not None:
             with torch.no_grad():
                 for module in policy.model.modules():
@@ -377,12 +383,12 @@ def sampling_weights(policy: Policy, baseline: bool = False):
                         original = base_layer.weight
                         base_layer.weight = torch.nn.Parameter(_merged(module, adapter, original),
                                                                requires_grad=False)
-                        swapped.append((base_layer, original))
+                        swapped.append((base_layer, "weight", original))
         with adapters_disabled(policy.model):
             yield
     finally:
-        for base_layer, original in swapped:
-            base_layer.weight = original
+        for module, attribute, original in reversed(swapped):
+            setattr(module, attribute, original)
 
 
 def _merged(module, adapter: str, weight: torch.Tensor) -> torch.Tensor:

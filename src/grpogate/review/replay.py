@@ -202,11 +202,8 @@ def _delivered_policy(run_dir: Path, evidence: dict, config):
 def _with_delivered_adapter(policy, run_dir: Path, artifact: Path, evidence: dict):
     """The policy with the delivered adapter `artifact` as its trained one, of the recorded
     version."""
-    if evidence.get("foreign"):  # a gated foreign adapter keeps its own LoRA shape
-        from grpogate.inputs.candidate import attach_candidate
-
-        attach_candidate(policy, artifact)
-        return policy
+    if evidence.get("foreign"):
+        return _with_foreign_candidate(policy, artifact, evidence)
     from peft import set_peft_model_state_dict
 
     delivered = load_adapter_state(artifact)
@@ -218,6 +215,31 @@ def _with_delivered_adapter(policy, run_dir: Path, artifact: Path, evidence: dic
     if version != evidence["artifact"]["new_policy_version"]:
         raise InputError(f"{run_dir}: the delivered adapter loads as policy {version}, not the "
                          f"recorded {evidence['artifact']['new_policy_version']}")
+    return policy
+
+
+def _with_foreign_candidate(policy, artifact: Path, evidence: dict):
+    """A gated foreign candidate, of the kind the evidence records, from the run's own copy
+    (read as data, as a delivered adapter is): an adapter keeps its own LoRA shape; a full
+    checkpoint is checked against the recorded baseline's architecture and swapped in for the
+    candidate's pass. Its version must be the recorded one."""
+    from grpogate.inputs.candidate import attach_candidate
+    from grpogate.inputs.candidate_dir import (FULL_CHECKPOINT, candidate_version, file_hashes,
+                                               read_candidate)
+    from grpogate.inputs.full_candidate import attach_full_candidate
+
+    if evidence["foreign"].get("candidate_kind") != FULL_CHECKPOINT:
+        version = attach_candidate(policy, artifact)
+    else:
+        candidate = read_candidate(artifact)
+        if candidate.kind != FULL_CHECKPOINT:
+            raise InputError(f"{artifact}: not a full checkpoint, as the evidence records")
+        attach_full_candidate(policy, candidate)
+        version = candidate_version(candidate, policy.base.sha256,
+                                    file_hashes(candidate.directory, candidate.files))
+    if version != evidence["artifact"]["new_policy_version"]:
+        raise InputError(f"{artifact}: the delivered candidate loads as policy {version}, not "
+                         f"the recorded {evidence['artifact']['new_policy_version']}")
     return policy
 
 
