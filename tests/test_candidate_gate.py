@@ -199,14 +199,24 @@ def test_a_zero_b_adapter_is_rejected_as_no_effective_update(made, tiny_model_di
     assert CliRunner().invoke(app, ["decide", str(run_dir)]).exit_code == 0
 
 
-def test_without_training_prompts_isolation_is_not_checked_and_never_accept(made, tiny_model_dir,
+def test_a_dataset_task_without_training_prompts_is_never_accept_and_replays(made, tiny_model_dir,
                                                                             tmp_path):
+    """A user's own table as the task (`--task dataset:`), no training prompts named: isolation
+    is "not checked" (so no accept), problems.jsonl holds no train set, and decide --replay
+    re-samples the eval set from it."""
+    pytest.importorskip("datasets", reason="needs the hf extra (pip install 'grpogate[hf]')")
+    table = tmp_path / "sums.jsonl"
+    table.write_text("".join(json.dumps({"prompt": f"What is {k} + {k + 3}?", "answer": 2 * k + 3})
+                             + "\n" for k in range(40)))
     run_dir = tmp_path / "gated"
-    result = gate(made / "adapter", tiny_model_dir, run_dir)
+    result = gate(made / "full", tiny_model_dir, run_dir, "--task", f"dataset:{table}")
     assert result.exit_code == 0 and "isolation not checked" in result.output, result.output
     evidence = json.loads((run_dir / "evidence.json").read_text())
     assert evidence["decision"]["decision"] != "accept"
     assert "isolation" in evidence["decision"]["failed_checks"]
+    splits = [json.loads(line)["split"] for line in (run_dir / "problems.jsonl").open()]
+    assert "train" not in splits and splits.count("eval") == TINY_SIZES["eval_prompts"]
+    assert_rechecked(run_dir)
 
 
 # --- refusals: one error line, exit 2, nothing written ---------------------------------------

@@ -109,7 +109,9 @@ def _eval_set(run_dir: Path, evidence: dict) -> list:
     if (evidence["config"].get("task") or {}).get("source") != "dataset":
         return reload_problem_sets(evidence["config"], evidence["inputs"])[2]
     numbered = list(enumerate(read_jsonl(run_dir / PROBLEMS_FILE), 1))
-    eval_set = stored_sets(numbered, PROBLEMS_FILE)["eval"]
+    # A gated foreign run names no training problems unless the user gave them (isolation).
+    eval_set = stored_sets(numbered, PROBLEMS_FILE,
+                           allow_empty_train=bool(evidence.get("foreign")))["eval"]
     recorded = (evidence["inputs"].get("eval_set") or {}).get("problem_set_sha256")
     if problem_set_hash(eval_set) != recorded:
         raise InputError(f"{run_dir}/{PROBLEMS_FILE}: its eval set does not hash to the "
