@@ -30,7 +30,7 @@ from grpogate.errors import InputError
 from grpogate.files import (ADAPTER_WEIGHTS, MAX_FILE_BYTES, confined_path, policy_version,
                             safetensors_names, safetensors_sha256, sha256_path)
 from grpogate.inputs.model_cache import files_digest
-from grpogate.inputs.trl_output import ADAPTER_CONFIG, _read_adapter, read_json_file
+from grpogate.inputs.trl_output import ADAPTER_CONFIG, read_adapter, read_json_file
 
 PEFT_ADAPTER = "peft_adapter"
 FULL_CHECKPOINT = "full_checkpoint"
@@ -142,7 +142,7 @@ def read_candidate(path: str | Path) -> Candidate:
         raise InputError(f"{path}: no such directory (a candidate: a PEFT adapter folder or a "
                          "Hugging Face checkpoint)")
     if (directory / ADAPTER_CONFIG).is_file():
-        config = _read_adapter(directory, directory)
+        config = read_adapter(directory, directory)
         return Candidate(PEFT_ADAPTER, directory, config, [ADAPTER_CONFIG, ADAPTER_WEIGHTS],
                          [ADAPTER_WEIGHTS], _pickles(directory))
     if (directory / MODEL_CONFIG).is_file():

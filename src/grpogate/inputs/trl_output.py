@@ -106,7 +106,7 @@ def _adapter_dir(directory: Path) -> Path:
     raise AssertionError("unreachable")
 
 
-def _read_adapter(directory: Path, adapter_dir: Path) -> dict:
+def read_adapter(directory: Path, adapter_dir: Path) -> dict:
     weights = adapter_dir / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise InputError(f"{adapter_dir}: no {ADAPTER_WEIGHTS} (adapters load only from "
@@ -156,7 +156,7 @@ def read_trl_output(path: str | Path) -> TrlOutput:
     if not directory.is_dir():
         raise InputError(f"{path}: no such directory (a TRL output_dir)")
     adapter_dir = _adapter_dir(directory)
-    adapter_config = _read_adapter(directory, adapter_dir)
+    adapter_config = read_adapter(directory, adapter_dir)
     state_file = _trainer_state_file(directory, adapter_dir)
     state = _check_trainer_state(state_file, read_json_file(state_file, directory))
     pickles = sorted({str(p.relative_to(directory)) for place in (directory, adapter_dir)
