@@ -171,19 +171,20 @@ class LeanStepper:
         cos, sin = dec.rotary(dec.embed[:1], columns)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [C, d]
         # Zeros, not empty: masked columns get probability 0, and 0 x NaN would still be NaN.
-        # The native step never sums a row's own columns past the one it writes, so its own
-        # caches start empty (zeroing them cost 0.12 s of a 48 x 4 re-test's 2.9 s).
+        # The native step's own caches start zeroed too: left as torch.empty, a process's first
+        # decode sometimes sampled other tokens than every later decode of the same batch
+        # (whatever memory the allocator handed over; docs/measurements.md, "A first decode
+        # that rounds differently"), so runs of one seed did not always repeat.
         rows = len(prompts) * group_size
         # The native step keeps the rows' own keys transposed too, [N, Hkv, d, T], T a
         # multiple of 16 (its score loop reads 16 columns at a time), like the prompts' keys.
         own = round_up(max_new_tokens, 16)
-        own_cache = torch.empty if self.kernels else torch.zeros
         self.prompt_keys, self.prompt_values = (
             [torch.zeros(shape, dtype=dtype, device=device) for _ in dec.layers] for shape in (
                 (len(prompts), dec.kv_heads, dec.head_dim, span),
                 (len(prompts), dec.kv_heads, span, dec.head_dim)))
         self.keys, self.values = (
-            [own_cache(shape, dtype=dtype, device=device) for _ in dec.layers] for shape in (
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in dec.layers] for shape in (
                 (rows, dec.kv_heads, dec.head_dim, own) if self.kernels else
                 (rows, dec.kv_heads, max_new_tokens, dec.head_dim),
                 (rows, dec.kv_heads, own if self.kernels else max_new_tokens, dec.head_dim)))

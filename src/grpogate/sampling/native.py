@@ -120,8 +120,9 @@ class NativeKernels:
         slot_of_row [N] int64; prompt_mask [n, S] additive float32; prompt_keys [n, Hkv, d, S]
         and prompt_values [n, Hkv, S, d]; own_keys [M, Hkv, d, T] and own_values [M, Hkv, T,
         d], M >= N slots, row r's at slot_of_row[r], into which the rows' rotated keys and
-        values are written at `column` (columns after it are scored and ignored, never summed:
-        they need no zeros); S and T multiples of 16 -> [N, H d]."""
+        values are written at `column` (columns after it are scored and ignored, never summed;
+        the caller zeroes the caches all the same, decoding.py); S and T multiples of 16 ->
+        [N, H d]."""
         rows = qkv.shape[0]
         _, kv_heads, capacity, head_dim = own_values.shape
         out = qkv.new_empty((rows, heads * head_dim))
