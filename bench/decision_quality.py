@@ -121,8 +121,9 @@ def null_candidate(config, directory: Path) -> Path:
 
 
 def perturbed_candidate(null_dir: Path, directory: Path, scale: float = 0.05) -> Path:
-    """--quick only: the null adapter with random B (seeded), a candidate whose function
-    differs from the baseline's, so the quick study has a non-degenerate candidate."""
+    """The null adapter with random B (seeded) of `scale`: a candidate whose function differs
+    from the baseline's a little (--quick's non-degenerate candidate; --perturbed's
+    near-null)."""
     import shutil
 
     import torch
@@ -342,6 +343,9 @@ def main(argv: list[str] | None = None) -> None:
     for key in FULL:
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args(argv)
+    shares = [float(share) for share in args.mixtures.split(",") if share]
+    if any(not 0.0 <= share <= 1.0 for share in shares) or (shares and args.real_retests):
+        parser.error("--mixtures: shares in [0, 1], and not with --real-retests")
     sizes = {key: getattr(args, key) or (QUICK if args.quick else FULL)[key] for key in FULL}
     from grpogate.errors import InputError, visible
 
@@ -362,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = study(args.work_dir, args.candidate, sizes, args.seed, args.quick,
                        args.exclude_run, args.baseline, args.pools_only,
-                       tuple(float(share) for share in args.mixtures.split(",") if share))
+                       tuple(shares))
     except InputError as error:
         raise SystemExit(f"error: {visible(error)}") from None
     if args.pools_only:

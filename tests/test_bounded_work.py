@@ -390,3 +390,27 @@ def test_the_api_raises_its_input_error_for_bad_arguments_and_mutated_configs(tm
             grpogate.run(config)
         assert str(refusal.value) == f"config: {key} must be {kind} (got {value!r})"
         assert not (tmp_path / key).exists()
+
+
+def test_a_backslash_before_a_wide_character_stays_invalid_json():
+    # Escaped, "\\é" would read as an escaped backslash and the letters u00e9: a value no other
+    # reader gives. The text is decoded as it is, and json.loads refuses the escape.
+    data = ('{"a": "\\é' + "x" * 1000 + '\U0001F600"}').encode("utf-8")
+    with pytest.raises(json.JSONDecodeError, match="Invalid \\\\escape"):
+        json.loads(data.decode("utf-8"))
+    with pytest.raises(json.JSONDecodeError, match="Invalid \\\\escape"):
+        parse_json(data, "f.json")
+
+
+def test_many_runs_of_wide_characters_are_decoded_as_they_are():
+    from grpogate.files.json_text import BYTES_PER_RUN, compact_text
+
+    # "abĀ" is 4 bytes, one run of 2 non-ASCII bytes every 4 (> 1 per BYTES_PER_RUN = 16):
+    # escaping would loop once a run; the text is decoded as it is (one emoji: 4 bytes a char).
+    assert BYTES_PER_RUN == 16
+    data = json.dumps("abĀ" * 10_000 + "\U0001F600", ensure_ascii=False).encode("utf-8")
+    text = compact_text(data)
+    assert text == data.decode("utf-8") and not text.isascii()
+    # One run per 20 bytes (16 ASCII + a 4-byte emoji) is escaped: 16 + 12 characters each.
+    sparse = json.dumps(("x" * 16 + "\U0001F600") * 1000, ensure_ascii=False).encode("utf-8")
+    assert compact_text(sparse).isascii() and len(compact_text(sparse)) == 2 + 28 * 1000

@@ -254,6 +254,27 @@ def test_both_doors_at_once_are_refused(made, tiny_model_dir, tmp_path):
     line = refused(made / "adapter", tiny_model_dir, tmp_path / "out", "--from-trl",
                    made / "adapter", "--num-generations", 4)
     assert line.startswith("error: gate: give exactly one of --from-trl DIR")
+    # A TRL log's settings with no TRL log: refused, not ignored.
+    line = refused(made / "adapter", tiny_model_dir, tmp_path / "out", "--num-generations", 4)
+    assert line == ("error: gate: --trl-args and --num-generations describe a TRL run's log; "
+                    "--candidate reads no log (use --from-trl for a TRL output directory)")
+
+
+def test_a_header_safetensors_itself_refuses_is_one_error_line(made, tiny_model_dir, tmp_path):
+    import struct
+
+    # Non-string metadata: grpogate's own header reader skips __metadata__, safetensors' reader
+    # refuses it (SafetensorError, no traceback wanted).
+    odd = checkpoint_copy(made, tmp_path, "metadata")
+    data = (odd / "model.safetensors").read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + size]) | {"__metadata__": {"a": 1}}
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    (odd / "model.safetensors").write_bytes(
+        struct.pack("<Q", len(encoded)) + encoded + data[8 + size:])
+    assert refused(odd, tiny_model_dir, tmp_path / "out").startswith(
+        f"error: {odd}/model.safetensors: not a safetensors file safetensors reads (")
 
 
 def test_a_checkpoint_of_another_architecture_shape_or_dtype_is_refused(made, tiny_model_dir,

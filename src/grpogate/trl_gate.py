@@ -145,6 +145,9 @@ def admit(config: RunConfig, request: GateRequest) -> Admitted:
         raise InputError("gate: give exactly one of --from-trl DIR (a TRL output directory) and "
                          "--candidate DIR (a PEFT adapter or a Hugging Face checkpoint)")
     trl, settings, where = None, {}, None
+    if request.candidate and (request.trl_args or request.num_generations is not None):
+        raise InputError("gate: --trl-args and --num-generations describe a TRL run's log; "
+                         "--candidate reads no log (use --from-trl for a TRL output directory)")
     if request.candidate:
         found = read_candidate(request.candidate)
     else:

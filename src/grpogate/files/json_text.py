@@ -91,9 +91,14 @@ _CONTINUATION_BYTES = bytes(range(0x80, 0xC0))
 _NON_ASCII_BYTES = bytes(range(0x80, 0x100))
 _WIDE_LEAD = re.compile(rb"[\xc4-\xf4]")  # starts a character above U+00FF
 _ASTRAL_LEADS = [bytes([lead]) for lead in range(0xF0, 0xF5)]  # a character above U+FFFF
+# A backslash before a non-ASCII character is an invalid escape in JSON; written as \\uXXXX
+# it would read as a valid escaped backslash, so such a text is decoded as it is.
+_ESCAPED_NON_ASCII = re.compile(rb"\\[\x80-\xff]")
+_MARKS = bytes.maketrans(bytes(range(256)), b"a" * 128 + b"b" * 128)  # ASCII -> a, other -> b
+BYTES_PER_RUN = 16  # escaping takes at most one run of non-ASCII bytes per 16 bytes (its time)
 
 
-def _escaped(run: re.Match) -> str:
+def _escaped(run: re.Match) -> bytes:
     """One run of non-ASCII bytes -> its characters as JSON escapes (UnicodeDecodeError, its
     position in the whole text, when the run is not UTF-8)."""
     try:
@@ -101,27 +106,36 @@ def _escaped(run: re.Match) -> str:
     except UnicodeDecodeError as error:
         raise UnicodeDecodeError("utf-8", run.string, run.start() + error.start,
                                  run.start() + error.end, error.reason) from None
-    return json.dumps(characters)[1:-1]
+    return json.dumps(characters)[1:-1].encode("ascii")
 
 
 def compact_text(data: bytes) -> str:
-    """UTF-8 `data` (a JSON text) as str, held in at most 3 bytes a byte of `data` while it is
-    built: decoded as it is where Python holds that in 1 byte a character, or where escaping
-    would cost more; with its non-ASCII characters as JSON escapes otherwise (the pieces of
-    text, then their join). UnicodeDecodeError as bytes.decode raises it (its position counted
-    in `data`)."""
+    """UTF-8 `data` (a JSON text) as str, never held in more memory than decoding it as it is
+    would take: decoded as it is where Python holds that in 1 byte a character (ASCII,
+    Latin-1) or where escaping costs no less; otherwise (a mostly-ASCII text with a few
+    characters above U+00FF, in at most one run per BYTES_PER_RUN bytes, and no backslash
+    before a non-ASCII character) with its non-ASCII characters as JSON escapes, written into
+    one buffer of the escaped text's exact length. UnicodeDecodeError as bytes.decode raises
+    it (its position counted in `data`)."""
     if data.isascii() or _WIDE_LEAD.search(data) is None:
-        return data.decode("utf-8")  # 1 byte a character (ASCII or Latin-1)
+        return data.decode("utf-8")
     characters = len(data.translate(None, _CONTINUATION_BYTES))
     ascii_characters = len(data.translate(None, _NON_ASCII_BYTES))
     astral = sum(data.count(lead) for lead in _ASTRAL_LEADS)
     decoded = characters * (4 if astral else 2)
     escaped = ascii_characters + 6 * (characters - ascii_characters) + 6 * astral
-    if decoded <= escaped:
+    runs = data.translate(_MARKS).count(b"ab") + (data[0] >= 0x80)
+    # Escaping holds the buffer and its text at once (2 x escaped); decoding as it is holds the
+    # text and then, beside it, the values, about a byte a character.
+    if (2 * escaped >= decoded + characters or runs * BYTES_PER_RUN > len(data)
+            or _ESCAPED_NON_ASCII.search(data)):
         return data.decode("utf-8")
-    pieces, end, view = [], 0, memoryview(data)  # slices of the view copy nothing
+    out, at, end, view = bytearray(escaped), 0, 0, memoryview(data)
     for run in _NON_ASCII_RUN.finditer(data):
-        pieces += [str(view[end:run.start()], "ascii"), _escaped(run)]
-        end = run.end()
-    pieces.append(str(view[end:], "ascii"))
-    return "".join(pieces)
+        out[at:at + run.start() - end] = view[end:run.start()]
+        at += run.start() - end
+        text = _escaped(run)
+        out[at:at + len(text)] = text
+        at, end = at + len(text), run.end()
+    out[at:] = view[end:]
+    return out.decode("ascii")

@@ -28,7 +28,9 @@ from grpogate.inputs.policy import Policy
 UNCOMPUTED_FIELDS = frozenset({
     "_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
     "use_cache", "_commit_hash", "_attn_implementation_autoset", "output_attentions",
-    "output_hidden_states", "return_dict"})
+    "output_hidden_states", "return_dict",
+    # token ids the generation loop reads, not the forward: trainers often rewrite them
+    "pad_token_id", "bos_token_id", "eos_token_id"})
 
 
 def check_config(policy: Policy, candidate: Candidate) -> None:
@@ -42,7 +44,7 @@ def check_config(policy: Policy, candidate: Candidate) -> None:
                          f"the baseline's is {baseline.model_type!r}")
     try:
         theirs = type(baseline).from_dict(dict(candidate.config)).to_dict()
-    except (TypeError, ValueError, KeyError, AttributeError) as error:
+    except Exception as error:  # a stranger's file: whatever transformers raises is bad input
         raise InputError(f"{where}: {baseline.model_type} cannot read it "
                          f"({type(error).__name__}: {str(error)[:160]})") from None
     ours = baseline.to_dict()
@@ -80,11 +82,15 @@ def _stored(candidate: Candidate) -> dict[str, tuple[Path, str, tuple]]:
     stored = {}
     for name in candidate.weights:
         path = candidate.directory / name
-        with safe_open(str(path), framework="pt") as handle:
-            for tensor in handle.keys():
-                view = handle.get_slice(tensor)
-                stored[tensor] = (path, SAFETENSORS_DTYPES.get(view.get_dtype(), (
-                    view.get_dtype(),))[0], tuple(view.get_shape()))
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for tensor in handle.keys():
+                    view = handle.get_slice(tensor)
+                    stored[tensor] = (path, SAFETENSORS_DTYPES.get(view.get_dtype(), (
+                        view.get_dtype(),))[0], tuple(view.get_shape()))
+        except Exception as error:  # safetensors' own reader refuses it (metadata, layout)
+            raise InputError(f"{path}: not a safetensors file safetensors reads "
+                             f"({type(error).__name__}: {str(error)[:160]})") from None
     return stored
 
 
@@ -130,10 +136,14 @@ def attach_full_candidate(policy: Policy, candidate: Candidate) -> None:
     loaded = {}
     for file in candidate.weights:
         path = candidate.directory / file
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                if name in wanted:
-                    loaded[name] = handle.get_tensor(name).to(policy.device)
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    if name in wanted:
+                        loaded[name] = handle.get_tensor(name).to(policy.device)
+        except Exception as error:  # noqa: BLE001 (a stranger's file: any failure is bad input)
+            raise InputError(f"{path}: its tensors do not load ({type(error).__name__}: "
+                             f"{str(error)[:160]})") from None
     weights = []
     for entry, present in matched:
         tensor = loaded[present[0]]

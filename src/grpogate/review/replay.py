@@ -197,7 +197,11 @@ def _delivered_policy(run_dir: Path, evidence: dict, config):
     except InputError:
         raise
     except Exception as error:  # the delivered adapter is the run directory's data
-        raise InputError(f"{artifact}/{ADAPTER_WEIGHTS}: does not load onto the recorded model "
+        from grpogate.inputs.candidate_dir import FULL_CHECKPOINT
+
+        kind = (evidence.get("foreign") or {}).get("candidate_kind")
+        what = artifact if kind == FULL_CHECKPOINT else f"{artifact}/{ADAPTER_WEIGHTS}"
+        raise InputError(f"{what}: does not load onto the recorded model "
                          f"({type(error).__name__}: {first_line(error)})") from None
 
 

@@ -171,10 +171,9 @@ class LeanStepper:
         cos, sin = dec.rotary(dec.embed[:1], columns)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [C, d]
         # Zeros, not empty: masked columns get probability 0, and 0 x NaN would still be NaN.
-        # The native step's own caches start zeroed too: left as torch.empty, a process's first
-        # decode sometimes sampled other tokens than every later decode of the same batch
-        # (whatever memory the allocator handed over; docs/measurements.md, "A first decode
-        # that rounds differently"), so runs of one seed did not always repeat.
+        # The native step's own caches start zeroed too, so that a decode's tokens never depend
+        # on what memory the allocator hands over (docs/measurements.md, "A first decode that
+        # rounds differently").
         rows = len(prompts) * group_size
         # The native step keeps the rows' own keys transposed too, [N, Hkv, d, T], T a
         # multiple of 16 (its score loop reads 16 columns at a time), like the prompts' keys.
