@@ -75,22 +75,33 @@ def _baseline_tensors(policy: Policy) -> list[dict]:
     return list(entries.values())
 
 
-def _stored(candidate: Candidate) -> dict[str, tuple[Path, str, tuple]]:
-    """{tensor name: (file, torch dtype name, shape)} from the weight files' headers."""
+def _each_weight_file(candidate: Candidate, read, failure: str) -> None:
+    """`read(path, handle)` for every weight file, opened by safetensors; anything safetensors
+    or the read raises is InputError naming the file and `failure` (a stranger's file: any
+    failure is bad input)."""
     from safetensors import safe_open
 
-    stored = {}
     for name in candidate.weights:
         path = candidate.directory / name
         try:
             with safe_open(str(path), framework="pt") as handle:
-                for tensor in handle.keys():
-                    view = handle.get_slice(tensor)
-                    stored[tensor] = (path, SAFETENSORS_DTYPES.get(view.get_dtype(), (
-                        view.get_dtype(),))[0], tuple(view.get_shape()))
-        except Exception as error:  # safetensors' own reader refuses it (metadata, layout)
-            raise InputError(f"{path}: not a safetensors file safetensors reads "
-                             f"({type(error).__name__}: {str(error)[:160]})") from None
+                read(path, handle)
+        except Exception as error:  # noqa: BLE001
+            raise InputError(f"{path}: {failure} ({type(error).__name__}: "
+                             f"{str(error)[:160]})") from None
+
+
+def _stored(candidate: Candidate) -> dict[str, tuple[Path, str, tuple]]:
+    """{tensor name: (file, torch dtype name, shape)} from the weight files' headers."""
+    stored = {}
+
+    def read(path, handle):
+        for tensor in handle.keys():
+            view = handle.get_slice(tensor)
+            stored[tensor] = (path, SAFETENSORS_DTYPES.get(view.get_dtype(), (
+                view.get_dtype(),))[0], tuple(view.get_shape()))
+
+    _each_weight_file(candidate, read, "not a safetensors file safetensors reads")
     return stored
 
 
@@ -128,22 +139,17 @@ def attach_full_candidate(policy: Policy, candidate: Candidate) -> None:
     candidate's weights (`policy.full_weights`: (module, attribute, tensor) for every slot of
     every base tensor), on the policy's device. InputError before any tensor loads when the
     config, a name, a shape or a dtype differs; after, when a tied pair differs."""
-    from safetensors import safe_open
-
     check_config(policy, candidate)
     matched = _matched(candidate, _baseline_tensors(policy))
     wanted = {name for _, present in matched for name in present}
     loaded = {}
-    for file in candidate.weights:
-        path = candidate.directory / file
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():
-                    if name in wanted:
-                        loaded[name] = handle.get_tensor(name).to(policy.device)
-        except Exception as error:  # noqa: BLE001 (a stranger's file: any failure is bad input)
-            raise InputError(f"{path}: its tensors do not load ({type(error).__name__}: "
-                             f"{str(error)[:160]})") from None
+
+    def read(path, handle):
+        for name in handle.keys():
+            if name in wanted:
+                loaded[name] = handle.get_tensor(name).to(policy.device)
+
+    _each_weight_file(candidate, read, "its tensors do not load")
     weights = []
     for entry, present in matched:
         tensor = loaded[present[0]]
