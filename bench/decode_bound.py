@@ -40,7 +40,7 @@ class TimedStepper:
     def prefill(self, prompts, pad_id, group_size, max_new_tokens, shared=None):
         # The rows a prefill's products need: the shared prefix once, every prompt's padded
         # suffix (the prefill runs them in tiles of 128 rows; the ideal counts the rows).
-        from grpogate.sampling.decoding import WIDTH_BUCKET, round_up, shared_prefix_length
+        from grpogate.engines.rows import WIDTH_BUCKET, round_up, shared_prefix_length
 
         shared = (shared_prefix_length(prompts) if shared is None
                   else min(shared, shared_prefix_length(prompts)))
@@ -71,7 +71,7 @@ def main() -> None:
     import decode_ideal  # bench/ is sys.path[0] when this script runs
     from decode_paths import add_workload_arguments, load_workload
     from grpogate.sampling import rollout as rollout_module
-    from grpogate.sampling.decoding import make_stepper
+    from grpogate.engines import engine_for
     from grpogate.inputs.policy import sampling_weights
     from grpogate.sampling.rollout import generate_completions
 
@@ -95,7 +95,7 @@ def main() -> None:
         log.clear()
         started = time.perf_counter()  # as the evidence's rollout seconds: merge included
         with sampling_weights(policy):
-            stepper = make_stepper(policy.model)
+            stepper = engine_for(policy.model).stepper(policy.model)
             log.append(("prepare", None, time.perf_counter() - started))
             completions = generate_completions(policy.model, policy.tokenizer, batch,
                                                args.group_size, settings, seed=seed,

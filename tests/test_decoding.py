@@ -8,11 +8,13 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from grpogate.sampling.decoding import LeanStepper, ModelStepper, shared_prefix_length
-from grpogate.sampling.layers import tiled_linear
-from grpogate.sampling import scoring
-from grpogate.sampling.scoring import LeanScorer, packed_row, segment_mask
-from grpogate.sampling.lean_weights import can_prepack, lean_decoder, linear, prepack
+from grpogate.engines.cpu.decoding import LeanStepper
+from grpogate.engines.reference import ModelStepper
+from grpogate.engines.rows import shared_prefix_length
+from grpogate.engines.cpu.layers import tiled_linear
+from grpogate.engines.cpu import scoring
+from grpogate.engines.cpu.scoring import LeanScorer, packed_row, segment_mask
+from grpogate.engines.cpu.weights import can_prepack, lean_decoder, linear, prepack
 from grpogate.inputs.policy import load_policy, sampling_weights
 from grpogate.sampling.rollout import SamplingSettings, generate_completions
 
@@ -239,7 +241,7 @@ def test_prefill_with_a_shared_prefix_of_any_length(shared, native):
     """The prefix computed once at any length (its 16-column block left-padded and masked, the
     prompts' own parts after it) gives the logits of no shared prefix, and so does the first
     decode step after it (float32: the same sums in other tiles, within 1e-5)."""
-    from grpogate.sampling.native import native_kernels
+    from grpogate.engines.cpu.native import native_kernels
 
     model = tiny("llama")
     decoder = lean_decoder(model)

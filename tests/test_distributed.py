@@ -357,7 +357,7 @@ def test_a_prompt_alone_samples_the_log_probs_it_gets_in_a_batch(tiny_model_dir)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpogate.inputs.tasks import Problem, prompt_id
-    from grpogate.sampling.decoding import shared_prefix_length
+    from grpogate.engines.rows import shared_prefix_length
     from grpogate.sampling.rollout import SamplingSettings, encode_prompts, generate_completions
 
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The update's native RMSNorm and SwiGLU (training/fused_layers.py): hand-computed kernel
+"""The update's native RMSNorm and SwiGLU (engines/cpu/fused_layers.py): hand-computed kernel
 values, gradients against autograd on transformers' own modules, and where they step aside."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpogate.training.fused_layers import fused_norms_and_swiglu
+from grpogate.engines.cpu import declines
+from grpogate.engines.cpu.fused_layers import fused_norms_and_swiglu
 
 
 def test_rms_norm_backward_by_hand(kernels):
@@ -74,8 +75,9 @@ def test_fused_forward_and_gradients_match_transformers(kernels, dtype):
 
 
 def test_a_trainable_norm_weight_or_another_activation_keeps_transformers(kernels):
-    """A norm whose weight trains gets transformers' forward (its weight needs a gradient); an
-    MLP with another activation is not patched; every patch is gone after the block."""
+    """A norm whose weight trains gets transformers' forward (its weight needs a gradient); a
+    model with an MLP of another activation is one the accelerator declines (its decode would
+    compute SiLU), so nothing of it is patched; every patch is gone after the block."""
     model = _model(torch.float32)
     norm = model.model.layers[0].input_layernorm
     norm.weight.requires_grad_(True)
@@ -83,9 +85,12 @@ def test_a_trainable_norm_weight_or_another_activation_keeps_transformers(kernel
     ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(2))
     _, reference = _loss_and_grads(model, ids)
     with fused_norms_and_swiglu(model):
-        assert "forward" not in vars(model.model.layers[1].mlp)
-        assert "forward" in vars(model.model.layers[0].mlp)
+        assert not any("forward" in vars(m) for m in model.modules())
         _, grads = _loss_and_grads(model, ids)
+    assert declines(model) == "MLP activation other than SiLU unsupported"
+    model.model.layers[1].mlp.act_fn = torch.nn.SiLU()
+    with fused_norms_and_swiglu(model):
+        assert all("forward" in vars(block.mlp) for block in model.model.layers)
     assert grads["model.layers.0.input_layernorm.weight"].abs().sum() > 0
     torch.testing.assert_close(grads["model.layers.0.input_layernorm.weight"],
                                reference["model.layers.0.input_layernorm.weight"], atol=1e-6,

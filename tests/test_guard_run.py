@@ -20,7 +20,7 @@ from grpogate.interrupts import StopRequest
 from grpogate.inputs.tasks import Problem
 from grpogate.pipeline import NullReporter
 from grpogate.sampling import retest, rollout
-from grpogate.sampling.decoding import ModelStepper
+from grpogate.engines.reference import ReferenceEngine
 from grpogate.sampling.rollout import Completion, encode_prompts, generate_completions
 from grpogate.verifiers import get_verifier
 from grpogate.training import loop as training
@@ -38,10 +38,10 @@ def _reference(policy, completion, temperature: float, baseline: bool) -> torch.
 
 @pytest.mark.parametrize("path", ["lean", "model", "torch"])
 def test_measure_drift_equals_one_forward_per_sequence(tiny_config, tmp_path, monkeypatch, path):
-    """The lean scorer (Llama here) and the model's own forward (any other architecture); the
-    KL and entropies on the native kernel, or (`torch`) without it."""
+    """The accelerator's scorer (Llama here) and the reference engine's (any architecture it
+    declines); the KL and entropies on the native kernel, or (`torch`) without it."""
     if path == "model":
-        monkeypatch.setattr(drift, "lean_decoder", lambda model: None)
+        monkeypatch.setattr(drift, "engine_for", lambda model: ReferenceEngine())
     if path == "torch":
         monkeypatch.setenv("GRPOGATE_NATIVE", "0")
     policy = load_policy(tiny_config(tmp_path), seed=0)
@@ -83,7 +83,7 @@ def test_the_drift_measured_while_sampling_equals_the_teacher_forced_one(
     if path == "torch":
         monkeypatch.setenv("GRPOGATE_NATIVE", "0")
     if path == "model":
-        monkeypatch.setattr(retest, "make_stepper", ModelStepper)
+        monkeypatch.setattr(retest, "engine_for", lambda model: ReferenceEngine())
         monkeypatch.setattr(retest, "DriftStepper", None)  # never built on this path
     config = tiny_config(tmp_path, max_new_tokens=12, eval_group_size=3)
     policy = load_policy(config, seed=0)

@@ -1,11 +1,16 @@
 """The house's rules, checked on the package's syntax tree (README "Files").
 
 Wings in pipeline order of dependence: the foundation (errors, gates, config, seeding,
-interrupts, files, the distributed World) -> inputs -> evidence -> sampling -> training -> the
-top (pipeline, admission, cli/, review/, the restart logic in distributed/elastic.py and the
-public re-exports). A module imports only its own wing or lower ones, no two modules import
-each other (directly or around a longer circle), the pure layers import no torch, and modules
-and functions stay short enough to read.
+interrupts, files, the distributed World) -> engines -> inputs -> evidence -> sampling ->
+training -> the top (pipeline, admission, cli/, review/, the restart logic in
+distributed/elastic.py and the public re-exports). A module imports only its own wing or lower
+ones, no two modules import each other (directly or around a longer circle), the pure layers
+import no torch, and modules and functions stay short enough to read.
+
+The engines are one wing with one door: everything above reaches a model's forward through
+`grpogate.engines` (and its row layout, `engines.rows`), never an engine's own modules; the CPU
+accelerator imports nothing from the pipeline; and the private torch / transformers / PEFT
+attributes the accelerator relies on are touched inside the engines wing only.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import pytest
 import grpogate
 
 PACKAGE = Path(grpogate.__file__).parent
-LAYERS = {"foundation": 0, "inputs": 1, "evidence": 2, "sampling": 3, "training": 4, "top": 5}
+LAYERS = {"foundation": 0, "engines": 1, "inputs": 2, "evidence": 3, "sampling": 4, "training": 5,
+          "top": 6}
 FOUNDATION = {"errors", "gates", "config", "seeding", "interrupts", "files", "distributed",
               "__init__"}
 # Modules of a foundation package that sit on top: a restarted torchrun job resumes its run,
@@ -73,7 +79,7 @@ GRAPH = {name: imports(path) & set(MODULES) - {name} for name, path in MODULES.i
 
 
 def test_the_wings_exist():
-    for wing in ("inputs", "sampling", "training", "evidence"):
+    for wing in ("engines", "inputs", "sampling", "training", "evidence"):
         assert (PACKAGE / wing / "__init__.py").is_file(), wing
 
 
@@ -129,3 +135,31 @@ def test_modules_and_functions_stay_short(name):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, f"{name}: {', '.join(long)}; at most {MAX_FUNCTION_LINES} lines each"
+
+
+DOOR = {"grpogate.engines", "grpogate.engines.rows"}
+# Private or undocumented attributes of torch, transformers and PEFT the accelerator relies on.
+PRIVATE_ATTRIBUTES = {"_attn_implementation", "_forward_hooks", "_forward_pre_hooks",
+                      "_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported"}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if not n.startswith("grpogate.engines")))
+def test_only_the_door_leads_to_the_engines(name):
+    inside = sorted(m for m in GRAPH[name] if m.startswith("grpogate.engines") and m not in DOOR)
+    assert not inside, f"{name} imports {inside}; reach an engine through grpogate.engines"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("grpogate.engines.")))
+def test_the_engines_import_nothing_from_the_pipeline(name):
+    above = sorted(m for m in GRAPH[name] if not m.startswith("grpogate.engines")
+                   and layer(m) != LAYERS["foundation"])
+    assert not above, f"{name} imports {above}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if not n.startswith("grpogate.engines")))
+def test_private_apis_stay_inside_the_engines(name):
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    used = sorted({ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                   and (node.attr in PRIVATE_ATTRIBUTES
+                        or ast.unparse(node).startswith("torch.ops"))})
+    assert not used, f"{name} uses {used}: private APIs live behind the engines' door"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpogate.training.lora_forward import base_dtype_lora
+from grpogate.engines.cpu.lora_forward import base_dtype_lora
 
 
 @pytest.fixture
@@ -73,13 +73,13 @@ def test_tiny_packed_update_against_pefts(tiny_config, tmp_path, monkeypatch):
     rounding of PEFT's float32-adapter forward."""
     import contextlib
 
-    from grpogate.training import logprobs
+    from grpogate.engines import cpu
     from helpers import bf16_packed_row, relative_distance
 
     _, row, run = bf16_packed_row(tiny_config, tmp_path, [[1, 5, 9, 30, 31], [1, 5, 9, 40]],
                                   [[504, 3077, 2], [905, 28], [1011, 2], [77, 44, 2]])
     ours, our_grads = run()
-    monkeypatch.setattr(logprobs, "base_dtype_lora", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(cpu, "base_dtype_lora", lambda model: contextlib.nullcontext())
     theirs, their_grads = run()
     # log-probs of magnitude ~11, their logits in bfloat16 (a step of 1/16 there): 0.007
     # measured, within two steps

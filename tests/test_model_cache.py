@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from grpogate.inputs import cache_dir, model_cache, policy
+from grpogate.files import cache_dir, model_cache, policy
 
 CLEAN = bytes(range(256)) * 64
 SHA = "ab" * 32

@@ -20,10 +20,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpogate.inputs import cache_dir
-from grpogate.sampling import native, native_build
-from grpogate.sampling.decoding import LeanStepper, ModelStepper, make_stepper
-from grpogate.sampling.lean_weights import lean_decoder
+from grpogate.files import cache_dir
+from grpogate.engines.cpu import native, native_build
+from grpogate.engines import engine_for
+from grpogate.engines.cpu import CpuEngine
+from grpogate.engines.cpu.decoding import LeanStepper
+from grpogate.engines.reference import ModelStepper
+from grpogate.engines.cpu.weights import lean_decoder
 from grpogate.inputs.policy import load_policy, sampling_weights
 from grpogate.sampling.rollout import SamplingSettings, generate_completions
 from test_decoding import PROMPT_SETS, SIZES, tiny
@@ -211,10 +214,10 @@ def test_native_and_torch_decoding_sample_the_same_completions(kernels, tiny_con
 
 def test_the_torch_path_runs_where_the_kernels_do_not(monkeypatch, tmp_path):
     model = tiny("llama")
-    assert make_stepper(model, native=False).name == "lean"
+    assert CpuEngine(native=False).stepper(model).name == "lean"
     monkeypatch.setenv("GRPOGATE_NATIVE", "0")
     assert native.native_kernels(torch.float32, torch.device("cpu")) is None
-    assert make_stepper(model).name == "lean"
+    assert engine_for(model).stepper(model).name == "lean"
     monkeypatch.delenv("GRPOGATE_NATIVE")
     assert native.native_kernels(torch.float16, torch.device("cpu")) is None  # no fp16 build
     # No compiler: nothing is built and the torch path runs.
@@ -223,7 +226,7 @@ def test_the_torch_path_runs_where_the_kernels_do_not(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     try:
         assert native.native_kernels(torch.float32, torch.device("cpu")) is None
-        assert make_stepper(model).name == "lean"
+        assert engine_for(model).stepper(model).name == "lean"
         assert not (tmp_path / "native").exists() or not list((tmp_path / "native").iterdir())
     finally:
         native._load.cache_clear()
@@ -237,7 +240,7 @@ def test_shapes_the_attention_kernel_is_not_built_for_take_the_torch_step(kernel
     model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=96,
                                          num_hidden_layers=1, num_attention_heads=4,
                                          num_key_value_heads=2)).eval()  # d = 24
-    assert make_stepper(model).name == "lean"
+    assert engine_for(model).stepper(model).name == "lean"
 
 
 def test_the_library_is_built_once_per_machine_hashed_and_a_truncated_one_rebuilt(
@@ -288,8 +291,8 @@ __attribute__((constructor)) static void planted(void) {
 MEMORY_CAP = 4 << 30
 CHILD = """
 import json, torch
-from grpogate.inputs import cache_dir
-from grpogate.sampling import native, native_build
+from grpogate.files import cache_dir
+from grpogate.engines.cpu import native, native_build
 kernels = native.native_kernels(torch.float32, torch.device("cpu"))
 status = native.kernels_identity(torch.float32, torch.device("cpu"))
 assert (kernels is None) == (not status["built"])
@@ -548,7 +551,7 @@ def test_native_sampler_draws_what_the_torch_sampler_draws(kernels, dtype, monke
     logits = (torch.randn(2000, 49152, generator=generator) * 4).to(dtype)
     uniforms = torch.rand((2000, 1), generator=generator, dtype=torch.float64)
     native_tokens, native_logp = rollout._sample(logits, 0.7, 1.0, uniforms, with_logprobs=True)
-    monkeypatch.setattr(rollout, "native_kernels", lambda dtype, device: None)
+    monkeypatch.setattr(rollout, "row_kernels", lambda dtype, device: None)
     torch_tokens, torch_logp = rollout._sample(logits, 0.7, 1.0, uniforms, with_logprobs=True)
     # The block masses differ by summation order (a few float32 ulps), so a draw within that
     # of a boundary could land on the neighbouring token: none did here.

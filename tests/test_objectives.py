@@ -211,7 +211,7 @@ def test_token_logprobs_entropy_by_hand():
 @pytest.fixture(params=["native", "torch"])
 def head(request, monkeypatch):
     """The log-prob head on the native kernels (where this machine builds them) or in torch."""
-    from grpogate.sampling import native
+    from grpogate.engines.cpu import native
     if request.param == "torch":
         monkeypatch.setenv("GRPOGATE_NATIVE", "0")
     elif native.native_kernels(torch.float32, torch.device("cpu")) is None:

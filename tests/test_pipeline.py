@@ -133,7 +133,7 @@ def test_evidence_records_every_spec_quantity(finished):
     # where the kernels build here; each step says which.
     import torch
 
-    from grpogate.sampling.native import native_kernels
+    from grpogate.engines.cpu.native import native_kernels
 
     lean = "lean-native" if native_kernels(torch.float32, torch.device("cpu")) else "lean"
     assert rollout["decode_paths"] == [lean]

@@ -10,7 +10,7 @@ import torch
 from grpogate.training import objectives
 from grpogate.errors import InputError
 from grpogate.inputs.policy import load_policy, reference_mode, trainable_parameters
-from grpogate.sampling.decoding import shared_prefix_length
+from grpogate.engines.rows import shared_prefix_length
 from grpogate.sampling.rollout import (
     SamplingSettings,
     encode_prompts,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from grpogate.training.logprobs import pack_row
-from grpogate.training.tree_attention import (
+from grpogate.engines.cpu.tree_attention import (
     NAME,
     SEGMENTED_SHARE,
     SegmentedTreeAttention,
@@ -229,7 +229,7 @@ def test_packed_bfloat16_update_matches_sdpa(tiny_config, tmp_path, monkeypatch)
     bfloat16 rounding of plain SDPA's, and the segmented backward really ran."""
     import contextlib
 
-    from grpogate.training import logprobs
+    from grpogate.engines.cpu import CpuEngine
     from helpers import bf16_packed_row, relative_distance
 
     _, row, run = bf16_packed_row(tiny_config, tmp_path,
@@ -241,7 +241,8 @@ def test_packed_bfloat16_update_matches_sdpa(tiny_config, tmp_path, monkeypatch)
                         staticmethod(lambda ctx, g: calls.append(1) or original(ctx, g)))
     ours, our_grads = run()
     assert len(calls) == 2  # one per layer
-    monkeypatch.setattr(logprobs, "tree_attention", lambda model, segments: contextlib.nullcontext())
+    monkeypatch.setattr(CpuEngine, "packed_attention",
+                        lambda self, model, segments: contextlib.nullcontext())
     plain, plain_grads = run()
     real = row.completion_mask.bool()
     assert (ours - plain)[real].abs().max() < 0.02  # measured 0.003 of log-probs near -11

@@ -12,7 +12,7 @@ from helpers import record_ratio_inputs
 from grpogate.config import load_config
 from grpogate.errors import InputError
 from grpogate.inputs.policy import load_policy, reference_mode, sampling_weights, trainable_parameters
-from grpogate.sampling.decoding import make_stepper
+from grpogate.engines import engine_for
 from grpogate.sampling.rollout import SamplingSettings, encode_prompts, generate_completions
 from grpogate.training import batching
 from grpogate.training import update as update_module
@@ -155,7 +155,7 @@ def sampled_batch(policy, prompts, group_size=4) -> UpdateBatch:
     settings = SamplingSettings(max_new_tokens=8, temperature=1.0, top_p=1.0, batch_size=16)
     with sampling_weights(policy):
         completions = generate_completions(policy.model, policy.tokenizer, prompts, group_size,
-                                           settings, seed=3, stepper=make_stepper(policy.model))
+                                           settings, seed=3, stepper=engine_for(policy.model).stepper(policy.model))
     return build_update_batch([c.prompt_token_ids for c in completions],
                               [c.completion_token_ids for c in completions],
                               [float(i % 2) for i in range(len(completions))], group_size,

@@ -16,7 +16,7 @@ from grpogate.evidence.assemble import library_versions
 from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE, build_manifest
 from grpogate.files import atomic_directory, atomic_write_bytes, atomic_write_json, jsonl_bytes
 from grpogate.inputs.policy import Policy, save_adapter
-from grpogate.sampling.native import kernels_identity
+from grpogate.engines import engine_for, kernels_identity
 from grpogate.training.checkpoint import remove_checkpoints
 
 
@@ -27,7 +27,8 @@ def run_environment(policy: Policy) -> dict:
     return library_versions() | {
         "torch_threads": torch.get_num_threads(), "device": str(policy.device),
         "dtype": str(dtype).removeprefix("torch."),
-        "native_kernels": kernels_identity(dtype, policy.device)}
+        "native_kernels": kernels_identity(dtype, policy.device),
+        "engine": engine_for(policy.model).identity()}
 
 
 def peak_memory(device: torch.device) -> dict:

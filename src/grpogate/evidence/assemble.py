@@ -13,7 +13,7 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-from grpogate.config import step_count
+from grpogate.config import RunConfig, step_count
 from grpogate.evidence import decisions, guard, metrics
 from grpogate.seeding import REFILL_SEED_OFFSET, eval_seed, rollout_seed
 
@@ -62,7 +62,7 @@ def _kept(group: list[dict], mask_truncated: bool) -> bool:
 
 
 def step_summary(records: list[dict], group_size: int, mask_truncated: bool = False,
-                 num_iterations: int = 1) -> dict:
+                 num_iterations: int = RunConfig.num_iterations) -> dict:
     """One step's STEP_FIELDS from its trajectory records (the loop records, the audit checks):
     coverage, per-component means, for dynamic sampling what every round drew and kept, and
     `tokens`, the tokens the update trained on: every completion token of the kept groups that

@@ -2,7 +2,7 @@
 
 Dequantizing the bundled GGUF takes about 20 s; the entry under the cache directory (config
 `cache_dir`, else $GRPOGATE_CACHE or ~/.cache/grpogate) then loads in under a second. The entry
-is trusted by the cache rule (inputs/cache_dir.py), never by its own say: the entry's directory
+is trusted by the cache rule (files/cache_dir.py), never by its own say: the entry's directory
 is owner-only, and its record (owner-only, authenticated by the user's record key kept outside
 the cache) pins every file by sha256. Each load hashes every file of the entry and compares;
 the digest over those files is what the evidence records as the loaded model
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from grpogate.errors import InputError
 from grpogate.files import sha256_path
-from grpogate.inputs.cache_dir import open_verified, read_record, untrusted_reason, write_record
+from grpogate.files.cache_dir import open_verified, read_record, untrusted_reason, write_record
 
 LOG = logging.getLogger("grpogate")  # the CLI prints these lines (terminal.quiet_libraries)
 RECORD = "grpogate.record"  # the entry's record, beside the files it pins

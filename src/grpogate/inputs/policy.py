@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from grpogate.config import BUNDLED_MODEL, RunConfig
 from grpogate.errors import InputError, first_line
 from grpogate.config.adapter_patterns import check_module_patterns, lora_targets
-from grpogate.inputs.cache_dir import cache_root, use_cache_dir
+from grpogate.files.cache_dir import cache_root, use_cache_dir
 from grpogate.inputs.model_cache import dequantized_cache, directory_weights_sha256
 from grpogate.files import (ADAPTER_WEIGHTS, policy_version, read_safetensors,  # noqa: F401
                             safetensors_names, sha256_path, tensors_digest)

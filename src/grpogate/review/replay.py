@@ -33,8 +33,8 @@ from grpogate.inputs.policy import (TRAINABLE, current_version, load_adapter_sta
 from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import StopRequest
 from grpogate.pipeline import NullReporter
-from grpogate.sampling.decoding import shared_prefix_length
-from grpogate.sampling.native import kernels_identity
+from grpogate.engines import engine_for, kernels_identity
+from grpogate.engines.rows import shared_prefix_length
 from grpogate.sampling.retest import retest_both
 from grpogate.sampling.rollout import encode_prompts
 
@@ -71,6 +71,10 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
     torch.set_num_threads(int((evidence.get("environment") or {}).get("torch_threads")
                               or torch.get_num_threads()))
     policy = _delivered_policy(run_dir, evidence, config)
+    recorded_engine, engine = (evidence.get("environment") or {}).get("engine"), engine_for(
+        policy.model).identity()
+    if recorded_engine is not None and recorded_engine != engine:  # runs before it: not recorded
+        differences["engine"] = {"recorded": recorded_engine, "now": engine}
     eval_set = _eval_set(run_dir, evidence)
     problems = eval_set[:count]
     # All eval prompts are encoded: the decoder's shared prefix is fixed over the whole set, as

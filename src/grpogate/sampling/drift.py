@@ -9,20 +9,15 @@ value carries no per-token sampling noise. For every completion of either policy
 own mean per-token entropy (before / after). `evidence/guard.py` reduces the per-completion
 values to the run's token-weighted means.
 
-The re-test measures these while the policies sample (`DriftStepper`, at the end of this
-module: the sampler's own logits, and a baseline stepper in lockstep for the KL). What follows
-is `measure_drift`, the teacher-forced measurement of given completions that other
-architectures take, and the reference the lockstep one is tested against.
-
-Forward passes only, no gradient, with each policy's LoRA merged (`sampling_weights`): a few
-prompts' completions are forwarded under the candidate, then the baseline, so only their full
-distributions are held at a time; on the lean scorer each policy's weights are merged and
-packed once (measured: 7 preparations, 1.6 s of a 12.4 s drift at 48 prompts x 4, before).
-On the lean decoder's weights (Llama, Qwen2: scoring.LeanScorer) the prefix every eval prompt
-shares is forwarded once per policy, each prompt and its completions packed into one row (the
-prompt's tokens once, no completion padded to its siblings' length), and the LM head runs on
-completion positions only; other architectures take the model's forward, one prompt's
-completions per forward.
+The re-test measures these while the policies sample where the engine's decode stepper holds
+its own copy of the weights (`DriftStepper`, at the end of this module: the sampler's own
+logits, and a baseline stepper in lockstep for the KL). `measure_drift` measures given
+completions teacher-forced through the engine's scorer (engines.Engine.scorer): the path of
+the reference engine, and the reference the lockstep measurement is tested against. Forward
+passes only, no gradient, with each policy's LoRA merged (`sampling_weights`): a few prompts'
+completions are forwarded under the candidate, then the baseline, so only their full
+distributions are held at a time. `_row_values` is the one function that turns logits into
+the reported entropies and KLs, for both paths.
 """
 
 from __future__ import annotations
@@ -30,73 +25,32 @@ from __future__ import annotations
 import torch
 
 from grpogate.inputs.policy import Policy, sampling_weights
-from grpogate.sampling.decoding import (WIDTH_BUCKET, cache_keyword, round_up,
-                                       shared_prefix_length)
-from grpogate.sampling.lean_weights import lean_decoder
-from grpogate.sampling.native import native_kernels
-from grpogate.sampling.scoring import LeanScorer
+from grpogate.engines import engine_for, row_kernels
+from grpogate.engines.rows import shared_prefix_length
 
 # Prompts whose logits (the model's dtype) are held between the candidate's and the baseline's
 # forwards: 16 groups x G 4 x ~14 tokens x 49k bfloat16 is about 90 MB (48 tokens: 300 MB).
 SWAP_GROUPS = 16
 
 
-def _logit_rows(model, completions: list, pad_id: int) -> list[torch.Tensor]:
-    """One [tokens_i, V] tensor of next-token logits per completion, at the positions that
-    predict its tokens. The prefix every prompt shares (system prompt, chat
-    template: most of a re-test prompt) is forwarded once and its KV cache repeated for the
-    batch; each sequence's rest (prompt suffix + completion) follows, right-padded."""
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    shared = shared_prefix_length([list(c.prompt_token_ids) for c in completions])
-    rests = [list(c.prompt_token_ids[shared:]) + list(c.completion_token_ids)
-             for c in completions]
-    width = round_up(max(len(r) for r in rests), WIDTH_BUCKET)
-    ids = torch.full((len(rests), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rests), shared + width), dtype=torch.long)
-    mask[:, :shared] = 1
-    for row, rest in enumerate(rests):
-        ids[row, :len(rest)] = torch.tensor(rest, dtype=torch.long)
-        mask[row, shared:shared + len(rest)] = 1
-    extra = {}
-    if shared:
-        extra = {cache_keyword(model): DynamicCache(config=model.config)}
-        prefix = torch.tensor([list(completions[0].prompt_token_ids[:shared])], device=device)
-        model(input_ids=prefix, use_cache=True, logits_to_keep=1, **extra)
-        extra[cache_keyword(model)].batch_repeat_interleave(len(rests))
-    positions = shared + torch.arange(width, device=device)[None].expand(len(rests), -1)
-    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                   position_ids=positions, use_cache=bool(shared), **extra).logits
-    rows = []
-    for row, completion in enumerate(completions):
-        # Completion token j sits at rest column len(suffix) + j, predicted one column before.
-        first = len(completion.prompt_token_ids) - shared - 1
-        rows.append(logits[row, first:first + len(completion.completion_token_ids)])
-    return rows
-
-
 def _policy_rows(policy: Policy, baseline: bool, pad_id: int, prefix: list[int]):
     """groups -> their completions' next-token logits in order, under the baseline's or the
-    candidate's weights whenever called. On the lean scorer (the shared `prefix` forwarded once),
-    built here under those weights once: it keeps its own fused copies and references, valid
-    after the merged tensors are swapped back. Else the model's forward, one prompt at a time,
-    with the policy's LoRA merged for each call."""
+    candidate's weights whenever called: the engine's scorer, built under those weights. One
+    that holds its own copy of them (the accelerator's, `prefix` forwarded once) is built once;
+    one that reads the model's weights runs with the policy's LoRA merged for each call."""
     model = policy.model
+    engine = engine_for(model)
     with sampling_weights(policy, baseline=baseline):
-        decoder = lean_decoder(model)
-        scorer = None if decoder is None else LeanScorer(decoder, prefix)
-    if scorer is None:
-        def model_rows(groups: list[list]) -> list[torch.Tensor]:
-            with sampling_weights(policy, baseline=baseline):
-                return [r for group in groups for r in _logit_rows(model, group, pad_id)]
-
-        return model_rows
+        scorer = engine.scorer(model, prefix)
 
     def rows(groups: list[list]) -> list[torch.Tensor]:
-        scored = scorer.score([(list(group[0].prompt_token_ids[len(prefix):]),
-                                [list(c.completion_token_ids) for c in group])
-                               for group in groups], pad_id)
+        pairs = [(list(group[0].prompt_token_ids), [list(c.completion_token_ids) for c in group])
+                 for group in groups]
+        if scorer.holds_weights:
+            scored = scorer(pairs, pad_id)
+        else:
+            with sampling_weights(policy, baseline=baseline):
+                scored = scorer(pairs, pad_id)
         return [x for logits in scored for x in logits]
 
     return rows
@@ -117,7 +71,7 @@ def _row_values(own: torch.Tensor, base: torch.Tensor | None, temperature: float
     entropies of p and, with `base`, KL(p || q) per row, p and q the softmax(logits /
     temperature). On the native kernel where it covers the dtype (two reads of each row, no
     float32 copy), else in torch."""
-    kernels = native_kernels(own.dtype, own.device)
+    kernels = row_kernels(own.dtype, own.device)
     if kernels is not None and own.numel():
         if base is None:
             return kernels.row_logsumexp(own.contiguous(), temperature, entropy=True)[1], None

@@ -18,7 +18,8 @@ from grpogate.seeding import eval_seed
 from grpogate.inputs.policy import Policy, sampling_weights
 from grpogate.inputs.tasks import Problem
 from grpogate.interrupts import StopRequest
-from grpogate.sampling.decoding import LeanStepper, make_stepper, shared_prefix_length
+from grpogate.engines import engine_for
+from grpogate.engines.rows import shared_prefix_length
 from grpogate.sampling.drift import DriftStepper, measure_drift
 from grpogate.sampling.rollout import (SamplingSettings, generate_completions, sampling_settings,
                                        score_completions, trace_id)
@@ -35,7 +36,7 @@ def evaluate_policy(model, tokenizer, problems: list[Problem], prompt_token_ids:
     `keep`: a list the completions (with their token ids) are also appended to. `wrap`: a
     function of the decode stepper built under `mode`, returning the one to sample with."""
     with mode():
-        stepper = make_stepper(model)
+        stepper = engine_for(model).stepper(model)
         completions = generate_completions(model, tokenizer, prompt_token_ids, group_size,
                                            settings, seed, advance,
                                            stepper=wrap(stepper) if wrap else stepper,
@@ -118,26 +119,26 @@ def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]
 class _LockstepDrift:
     """The re-test's drift measured while both policies sample (drift.DriftStepper): the
     baseline's entropies on its own distributions, then the candidate's, with a stepper on the
-    baseline's weights in lockstep for the KL. The baseline pass's lean decoder (its merged,
-    packed weights) serves both. Where the decode stepper is not the lean one (another
-    architecture), nothing is measured here and `measure_drift` runs afterwards."""
+    baseline's weights in lockstep for the KL. That needs a stepper that holds its own copy of
+    the weights (`holds_weights`, the accelerator's): the baseline pass's serves both (`fresh`).
+    Where the engine's stepper reads the model's weights as they are (the reference engine),
+    nothing is measured here and `measure_drift` runs afterwards."""
 
     def __init__(self, temperature: float):
         self.temperature, self.measured = temperature, False
-        self.baseline_weights = None  # (LeanDecoder, native kernels) of the baseline pass
+        self.baseline_stepper = None  # the baseline pass's stepper, on the baseline's weights
 
     def baseline(self, stepper):
-        if not isinstance(stepper, LeanStepper):
+        if not getattr(stepper, "holds_weights", False):
             return stepper
-        self.baseline_weights = stepper.decoder, stepper.kernels
+        self.baseline_stepper = stepper
         return DriftStepper(stepper, self.temperature)
 
     def candidate(self, stepper):
-        if self.baseline_weights is None or not isinstance(stepper, LeanStepper):
+        if self.baseline_stepper is None or not getattr(stepper, "holds_weights", False):
             return stepper
         self.measured = True
-        return DriftStepper(stepper, self.temperature,
-                            baseline=LeanStepper(*self.baseline_weights))
+        return DriftStepper(stepper, self.temperature, baseline=self.baseline_stepper.fresh())
 
 
 def _gathered(world: World, mine: list[dict], positions: list[int], group_size: int) -> list[dict]:

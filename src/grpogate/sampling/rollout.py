@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpogate.sampling.decoding import ROW_BUCKET, make_stepper, round_up
-from grpogate.sampling.native import native_kernels
+from grpogate.engines import engine_for, row_kernels
+from grpogate.engines.rows import ROW_BUCKET, round_up
 from grpogate.config import RunConfig
 from grpogate.errors import InputError
 from grpogate.seeding import prompt_seed
@@ -28,8 +28,8 @@ class SamplingSettings:
     temperature: float
     top_p: float
     batch_size: int
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0  # 0: off
+    top_k: int = RunConfig.top_k  # 0: off (the schema's default)
+    min_p: float = RunConfig.min_p  # 0: off
 
     @property
     def truncates(self) -> bool:
@@ -105,7 +105,8 @@ SAMPLE_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
-            block: int = SAMPLE_BLOCK, top_k: int = 0, min_p: float = 0.0,
+            block: int = SAMPLE_BLOCK, top_k: int = RunConfig.top_k,
+            min_p: float = RunConfig.min_p,
             with_logprobs: bool = False):
     """logits [N, V] -> token ids [N] sampled at `temperature` from the distribution truncated
     as transformers orders it: the `top_k` most likely tokens, then the `top_p` nucleus of those,
@@ -119,13 +120,13 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
     sum costs as much again; measured, each was a fifth or more of all decoding time.
     The log-prob costs one gather and the kept mass this function sums anyway. With nothing
     truncated, the native kernels (where they build) run the same two levels row by row on the
-    logits as they are (sampling.native): no float32 copy of the batch (measured with AMX
+    logits as they are (`engines.row_kernels`): no float32 copy of the batch (measured with AMX
     kernels: 22.5 ms a step at 256 rows, half of it that copy).
     `generator` is a torch.Generator (one uniform per row drawn from it) or the uniforms
     themselves, [N, 1] float64 in [0, 1) (`_decode_groups` draws them per prompt).
     """
     if top_p >= 1.0 and top_k <= 0 and min_p <= 0.0:  # the whole distribution
-        kernels = native_kernels(logits.dtype, logits.device)
+        kernels = row_kernels(logits.dtype, logits.device)
         if kernels is not None:  # the same draw row by row, without a float32 copy
             tokens, logprobs = kernels.sample_rows(
                 logits.contiguous(), temperature, block,
@@ -280,16 +281,17 @@ def generate_completions(model, tokenizer, prompt_token_ids: list[list[int]], gr
     prompt, seed, index) gives the same completions whatever batch or rank the prompt lands in,
     and the baseline and the candidate see the same seeds in the re-test. The model is used as
     it is: callers choose the weights (see `policy.sampling_weights`). `stepper` is the decode
-    forward (default: `make_stepper(model)`, built from the weights as they are now); one with a
+    forward (default: its engine's, `engine_for(model).stepper(model)`, built from the weights as
+    they are now); one with a
     `measured(row, tokens)` method fills each completion's `measured`.
     `shared_prefix`: the prefix the decoder computes once per batch, fixed over the caller's
-    whole prompt set (`decoding.shared_prefix_length`) so batching never changes numerics.
+    whole prompt set (`engines.rows.shared_prefix_length`) so batching never changes numerics.
     """
     eos_ids = _eos_ids(model, tokenizer)
     device = next(model.parameters()).device
     indexes = list(range(len(prompt_token_ids))) if prompt_indexes is None else prompt_indexes
     generators = [torch.Generator().manual_seed(prompt_seed(seed, index)) for index in indexes]
-    stepper = stepper or make_stepper(model)
+    stepper = stepper or engine_for(model).stepper(model)
     measured = getattr(stepper, "measured", None)  # a stepper that measures as it samples
     prompts_per_batch = max(1, settings.batch_size // group_size)
     completions: list[Completion] = []

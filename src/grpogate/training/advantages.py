@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpogate.config import SCALE_REWARDS
+from grpogate.config import SCALE_REWARDS, RunConfig
 
 ADVANTAGE_EPS = 1e-4
 
 
-def group_advantages(rewards: torch.Tensor, scale_rewards: str = "group") -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor,
+                     scale_rewards: str = RunConfig.scale_rewards) -> torch.Tensor:
     """rewards [B, G] -> advantages [B, G]: centred on the group mean, scaled per `scale_rewards`."""
     mean = rewards.mean(dim=1, keepdim=True)
     if scale_rewards == "group":
@@ -44,7 +45,8 @@ def group_advantages(rewards: torch.Tensor, scale_rewards: str = "group") -> tor
 
 
 def aggregate_advantages(components: torch.Tensor, weights: torch.Tensor, aggregation: str,
-                         valid: torch.Tensor, scale_rewards: str = "group") -> torch.Tensor:
+                         valid: torch.Tensor,
+                         scale_rewards: str = RunConfig.scale_rewards) -> torch.Tensor:
     """components [B, G, K], weights [K], valid [B] -> advantages [B, G] (zero off `valid`)."""
     if aggregation == "sum_then_normalize":
         return group_advantages((components * weights).sum(-1), scale_rewards) * valid[:, None]
@@ -114,7 +116,8 @@ class RewardComponents:
 
 def build_update_batch(prompt_token_ids: list[list[int]], completion_token_ids: list[list[int]],
                        rewards: list[float], group_size: int, *,
-                       components: RewardComponents | None = None, scale_rewards: str = "group",
+                       components: RewardComponents | None = None,
+                       scale_rewards: str = RunConfig.scale_rewards,
                        contributes: list[bool] | None = None,
                        sampler_logprobs: list[list[float]] | None = None,
                        old_logprobs: list[list[float]] | None = None) -> UpdateBatch:

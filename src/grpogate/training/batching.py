@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpogate.sampling.decoding import WIDTH_BUCKET, round_up
+from grpogate.engines.rows import WIDTH_BUCKET, round_up
 from grpogate.training.advantages import UpdateBatch
 from grpogate.training.logprobs import PackedGroups, PackedRow, common_prefix_length, pack_groups, pack_row
 

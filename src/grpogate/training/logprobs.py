@@ -11,8 +11,8 @@ sequence by tests (tests/reference_logprobs.py):
 Shapes: n groups, N = n * G sequences, P prompt columns (left-padded), T completion columns
 (right-padded), L packed positions, M completion tokens.
 
-The log-prob head (logsumexp over the vocabulary, its backward) runs on the native kernels
-where they are built for the logits (sampling.native: a CPU, bfloat16 or float32): each row
+The log-prob head (logsumexp over the vocabulary, its backward) runs on the native row kernels
+where they are built for the logits (`engines.row_kernels`: a CPU, bfloat16 or float32): each row
 of logits read twice forward and once backward, no float32 copy. Elsewhere it runs in torch,
 `chunk` positions at a time.
 """
@@ -23,11 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from grpogate.sampling.decoding import WIDTH_BUCKET, cache_keyword, left_pad, round_up
-from grpogate.sampling.native import native_kernels
-from grpogate.training.fused_layers import fused_norms_and_swiglu
-from grpogate.training.lora_forward import base_dtype_lora
-from grpogate.training.tree_attention import tree_attention
+from grpogate.engines import engine_for, row_kernels
+from grpogate.engines.rows import WIDTH_BUCKET, cache_keyword, left_pad, round_up
 
 
 def right_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +73,7 @@ def picked_logprobs(logits: torch.Tensor, index: torch.Tensor, token_ids: torch.
     micro-batch of 1,027 completion tokens, about 1.1 s of its 5 s). The chosen logit is taken
     from the float32 chunk, so its gradient and the normalizer's meet in float32 and are
     rounded to the logits' dtype once."""
-    kernels = native_kernels(logits.dtype, logits.device)
+    kernels = row_kernels(logits.dtype, logits.device)
     if kernels is not None:
         values, spread = NativeLogProbs.apply(logits.contiguous(), index, token_ids,
                                               temperature, kernels, entropy is not None)
@@ -309,7 +306,7 @@ def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 6
     dtype = next(model.parameters()).dtype
     mask = torch.zeros(packed.allowed.shape, dtype=dtype, device=packed.allowed.device)
     mask = mask.masked_fill(~packed.allowed, torch.finfo(dtype).min)[None, None]  # [1, 1, L, L]
-    with tree_attention(model, packed.segments):  # bfloat16 on a CPU: faster attention
+    with engine_for(model).packed_attention(model, packed.segments):
         logits = model(input_ids=packed.input_ids, attention_mask=mask,
                        position_ids=packed.position_ids, use_cache=False,
                        logits_to_keep=packed.logit_positions).logits  # [1, U, V]
@@ -328,9 +325,9 @@ def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 6
 def micro_batch_logprobs(model, packed: PackedGroups | PackedRow, per_prompt: int,
                          temperature: float, entropy: list | None = None) -> torch.Tensor:
     """Log-probs [N, T] of a micro-batch in either layout (`batching.pack_rows` chooses), the
-    LoRA layers in the base's dtype where that applies (`lora_forward`), the RMSNorms and
-    SwiGLUs on the native kernels where they build (`fused_layers`)."""
-    with base_dtype_lora(model), fused_norms_and_swiglu(model):
+    forwards inside the engine's `update_forward` (the accelerator's: LoRA layers in the
+    base's dtype, RMSNorms and SwiGLUs on the native kernels, where each applies)."""
+    with engine_for(model).update_forward(model):
         if isinstance(packed, PackedRow):
             return packed_logprobs(model, packed, temperature, entropy=entropy)
         return shared_prompt_logprobs(model, packed, per_prompt, temperature, entropy=entropy)

@@ -44,7 +44,8 @@ from grpogate.inputs.policy import Policy, current_version, reference_mode, samp
 from grpogate.inputs.tasks import Problem
 from grpogate.interrupts import StopRequest
 from grpogate.seeding import rollout_seed
-from grpogate.sampling.decoding import make_stepper, shared_prefix_length
+from grpogate.engines import engine_for
+from grpogate.engines.rows import shared_prefix_length
 from grpogate.sampling.rollout import (Completion, generate_completions, sampling_settings,
                                        score_completions, score_rewards, trajectory_records)
 from grpogate.training.advantages import RewardComponents, build_update_batch
@@ -232,7 +233,7 @@ def _sample_and_score(loop: Loop, state: LoopState, indexes: list[int], seed: in
     mine = [indexes[k] for k in positions]
     started = time.perf_counter()
     with sampling_weights(policy):
-        stepper = make_stepper(policy.model)
+        stepper = engine_for(policy.model).stepper(policy.model)
         completions = generate_completions(policy.model, policy.tokenizer,
                                            [loop.prompts[i] for i in mine], config.group_size,
                                            sampling_settings(config), seed, advance, stepper,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpogate.config import (IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES,
+from grpogate.config import (IMPORTANCE_SAMPLING_LEVELS, RunConfig, KL_ESTIMATORS, LOSS_TYPES,
                              ROLLOUT_CORRECTIONS)
 
 
@@ -49,7 +49,7 @@ def importance_log_ratio(logp, old_logp, mask, level: str) -> torch.Tensor:
 
 
 def clipped_surrogate(log_ratio, advantages, epsilon: float, epsilon_high: float,
-                      delta: float = 0.0):
+                      delta: float = RunConfig.delta):
     """Per-token loss [N, T or 1] and clipped flags: -min(r A, clip(r, 1 - eps, 1 + eps_high) A).
 
     DeepSeekMath (Shao et al. 2024, arXiv 2402.03300) eq. 3 with DAPO's clip-higher (Yu et al.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from grpogate.config.schema import LR_SCHEDULER_TYPES
+from grpogate.config.schema import LR_SCHEDULER_TYPES, RunConfig
 
 
 def warmup_steps(steps: int, warmup_ratio: float) -> int:
@@ -28,7 +28,8 @@ def warmup_steps(steps: int, warmup_ratio: float) -> int:
     return math.ceil(warmup_ratio * steps)
 
 
-def rate_factor(step: int, steps: int, kind: str, warmup_ratio: float = 0.0) -> float:
+def rate_factor(step: int, steps: int, kind: str,
+                warmup_ratio: float = RunConfig.warmup_ratio) -> float:
     """The multiplier of `learning_rate` at training step `step` (0-based) of `steps`."""
     if kind not in LR_SCHEDULER_TYPES:
         raise ValueError(f"lr_scheduler_type must be one of {', '.join(LR_SCHEDULER_TYPES)} "

@@ -65,27 +65,30 @@ class UpdateFailed(RuntimeError):
     """The update ran out of memory again after the retry at half the micro-batch."""
 
 
+DEFAULTS = RunConfig()  # the config schema holds every default; the settings below read it
+
+
 @dataclass
 class UpdateSettings:
-    """The update's knobs (config/schema.py documents each). A run builds them from its config
-    (`from_config`); the defaults here are for tests and the bench, not RunConfig's."""
+    """The update's knobs (config/schema.py documents each and holds their defaults). A run
+    builds them from its config (`from_config`); tests and the bench override a few."""
 
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 16
-    groups_per_update: int = 0  # 0: all valid groups in one optimizer step
-    temperature: float = 0.7
-    loss_type: str = "grpo"
-    importance_sampling_level: str = "token"
-    epsilon: float = 0.2
-    epsilon_high: float = 0.2  # resolved: never 0
-    delta: float = 0.0
-    beta: float = 0.02
-    kl_estimator: str = "k3"
-    num_iterations: int = 1
-    top_entropy_quantile: float = 1.0
-    rollout_correction: str = "none"
-    rollout_correction_cap: float = 2.0
-    max_new_tokens: int = 48  # dr_grpo's constant normalizer
+    max_grad_norm: float = DEFAULTS.max_grad_norm
+    micro_batch_size: int = DEFAULTS.micro_batch_size
+    groups_per_update: int = DEFAULTS.groups_per_update  # 0: all valid groups in one step
+    temperature: float = DEFAULTS.temperature
+    loss_type: str = DEFAULTS.loss_type
+    importance_sampling_level: str = DEFAULTS.importance_sampling_level
+    epsilon: float = DEFAULTS.epsilon
+    epsilon_high: float = DEFAULTS.resolved_epsilon_high()  # resolved: never 0
+    delta: float = DEFAULTS.delta
+    beta: float = DEFAULTS.beta
+    kl_estimator: str = DEFAULTS.kl_estimator
+    num_iterations: int = DEFAULTS.num_iterations
+    top_entropy_quantile: float = DEFAULTS.top_entropy_quantile
+    rollout_correction: str = DEFAULTS.rollout_correction
+    rollout_correction_cap: float = DEFAULTS.rollout_correction_cap
+    max_new_tokens: int = DEFAULTS.max_new_tokens  # dr_grpo's constant normalizer
     # batching.LAYOUTS: not a config knob (both layouts give the same log-probs); the bench
     # and the tests force one to compare them.
     layout: str = "auto"

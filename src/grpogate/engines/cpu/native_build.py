@@ -5,7 +5,7 @@ The library lives in `<cache>/native/` (cache: the configured `cache_dir`, else 
 or ~/.cache/grpogate), named by a key over the source, the compiler and its version, the flags
 and the CPU's identity (vendor, family, model, stepping and flags on x86; implementer,
 architecture, variant, part, revision and features on ARM): -march=native builds for this very
-CPU. Beside it an owner-only record (inputs/cache_dir.py) holds its sha256. A cache directory
+CPU. Beside it an owner-only record (files/cache_dir.py) holds its sha256. A cache directory
 or native/ that fails the ownership rule is refused for native code; a library that fails its
 record (planted, truncated, copied from another user) is rebuilt, and the hash check catches a
 truncated file before the dynamic loader maps it. The caller loads the library through the very
@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from grpogate.inputs.cache_dir import open_verified, private_directory, read_record, write_record
+from grpogate.files.cache_dir import open_verified, private_directory, read_record, write_record
 
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 # -fno-trapping-math: without it GCC keeps exp_f32's selects as branches and leaves the

@@ -1,12 +1,12 @@
 """The update's RMSNorms and SwiGLUs as native kernels, forward and backward (design §16).
 
-transformers' Llama/Qwen2 RMSNorm is eight tensor operations forward (a float32 copy, square,
+A transformers RMSNorm is eight tensor operations forward (a float32 copy, square,
 mean, add, rsqrt, multiply, the cast back, the weight's multiply) and about twice as many in
 the backward; its MLP's `silu(gate) * up` is two forward and four backward. At the update's
 packed row (one row of 300-600 positions) each operation is a pass over a few hundred KB to a
 few MB, dispatched on its own: together they were about a fifth of the update's time on a 2-core
 CPU. Inside `fused_norms_and_swiglu(model)` each such norm and MLP computes the same
-mathematics in one native call forward and one backward (`sampling/native_kernels.cpp`):
+mathematics in one native call forward and one backward (`engines/cpu/native_kernels.cpp`):
 
 - RMSNorm: the decode step's `rms_norm` kernel forward (float32 sums, the normalized value
   rounded to the dtype, then scaled); backward dx = r gh - x r^3 sum(gh x) / D with gh the
@@ -27,11 +27,10 @@ import functools
 
 import torch
 
-from grpogate.sampling.native import NativeKernels, native_kernels
-from grpogate.training.lora_forward import forwards_replaced
+from grpogate.engines.cpu.capability import describe
+from grpogate.engines.cpu.lora_forward import forwards_replaced
+from grpogate.engines.cpu.native import NativeKernels, native_kernels
 
-NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")
-MLPS = ("LlamaMLP", "Qwen2MLP")
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -82,22 +81,17 @@ def _mlp_forward(module, transformers_forward, kernels, x: torch.Tensor) -> torc
 
 @contextlib.contextmanager
 def fused_norms_and_swiglu(model):
-    """Inside this block, `model`'s Llama/Qwen2 RMSNorms and SiLU MLPs run the native kernels
-    (see above) where they build for the model's dtype on a CPU; elsewhere a no-op."""
+    """Inside this block, the RMSNorms and SiLU MLPs of a model the accelerator supports
+    (`capability.describe`) run the native kernels (see above) where they build for the
+    model's dtype on a CPU; elsewhere a no-op."""
     parameter = next(model.parameters())
     kernels = native_kernels(parameter.dtype, parameter.device)
+    decoder = describe(model) if kernels is not None else "no native kernels"
     replacements = []
-    for module in [] if kernels is None else model.modules():
-        name = type(module).__name__
-        if "forward" in vars(module):
-            continue
-        if name in NORMS:
-            forward = _norm_forward
-        elif name in MLPS and type(module.act_fn).__name__ in ("SiLUActivation", "SiLU"):
-            forward = _mlp_forward
-        else:
-            continue
-        replacements.append((module, functools.partial(forward, module, module.forward,
-                                                       kernels)))
+    if not isinstance(decoder, str):
+        replacements = [(module, functools.partial(forward, module, module.forward, kernels))
+                        for modules, forward in ((decoder.norms, _norm_forward),
+                                                 (decoder.mlps, _mlp_forward))
+                        for module in modules if "forward" not in vars(module)]
     with forwards_replaced(replacements):
         yield

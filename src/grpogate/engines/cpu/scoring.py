@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from grpogate.sampling.layers import (MASKED, PROMPTS_PER_FORWARD, WIDTH_BUCKET,
-                                     chunks_by_shape, decoder_logits, forward_tokens,
-                                     prefix_forward, round_up, tiled_linear)
-from grpogate.sampling.lean_weights import LeanDecoder
+from grpogate.engines.cpu.layers import (MASKED, PROMPTS_PER_FORWARD, chunks_by_shape,
+                                        decoder_logits, forward_tokens, prefix_forward,
+                                        tiled_linear)
+from grpogate.engines.rows import WIDTH_BUCKET, round_up
+from grpogate.engines.cpu.weights import LeanDecoder
 
 
 class LeanScorer:
@@ -35,11 +36,20 @@ class LeanScorer:
     (a rank's shard and one process agree bit for bit; tested).
     """
 
+    holds_weights = True  # its decoder's fused copies: valid after the model's weights change
+
     def __init__(self, decoder: LeanDecoder, prefix: list[int]):
         self.decoder, self.prefix = decoder, len(prefix)
         self.cache = None
         if prefix:
             self.cache = prefix_forward(decoder, prefix)
+
+    def __call__(self, groups: list[tuple[list[int], list[list[int]]]], pad_id: int
+                 ) -> list[list[torch.Tensor]]:
+        """The `Scorer` interface (engines/__init__.py): whole prompts, each starting with the
+        prefix the scorer was built on."""
+        return self.score([(prompt[self.prefix:], completions) for prompt, completions in groups],
+                          pad_id)
 
     @torch.no_grad()
     def score(self, groups: list[tuple[list[int], list[list[int]]]], pad_id: int

@@ -17,7 +17,7 @@
 // row: not on the other rows of the batch, nor on their count. Whether a multiply and an add
 // fuse is the compiler's choice for the CPU it builds on, which is part of the build's key.
 //
-// Built by grpogate.sampling.native with the system C++ compiler, -O3 -march=native
+// Built by grpogate.engines.cpu.native with the system C++ compiler, -O3 -march=native
 // -fno-trapping-math -fopenmp. -fno-trapping-math lets GCC turn exp_f32's range selects into
 // blends, so the exponent loops (softmax, SiLU, the log-prob head) vectorize; it reorders no
 // sum and changes no value. OpenMP is the runtime torch itself loaded (same soname), so
@@ -545,7 +545,7 @@ void sample_rows(const typename E::T* logits, long rows, long vocab, float tempe
 
 }  // namespace
 
-// The C interface grpogate.sampling.native calls; `bf16` chooses the element type
+// The C interface grpogate.engines.cpu.native calls; `bf16` chooses the element type
 // (1: bfloat16 as uint16, 0: float32).
 extern "C" {
 

@@ -32,94 +32,14 @@ Tests compare both paths' logits.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 
-from grpogate.sampling.layers import (MASKED, WIDTH_BUCKET, chunks_by_shape, decoder_layers,
-                                     decoder_logits, forward_rows, prefix_forward, round_up,
-                                     tiled_linear)
-from grpogate.sampling.lean_weights import LeanDecoder, lean_decoder, linear
-from grpogate.sampling.native import NativeKernels, native_kernels
-
-
-# Batch rows are rounded up to this multiple (prompt widths to layers.WIDTH_BUCKET) so that
-# oneDNN, which builds a kernel for every new matrix shape, sees a handful of shapes in a run.
-ROW_BUCKET = 8
-
-
-def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids and attention mask [N, W], W rounded up to WIDTH_BUCKET, sequences flush right."""
-    width = round_up(max(len(s) for s in sequences), WIDTH_BUCKET)
-    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        input_ids[row, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
-        attention_mask[row, width - len(sequence):] = 1
-    return input_ids.to(device), attention_mask.to(device)
-
-
-def cache_keyword(model) -> str:
-    """transformers 5 calls the KV cache argument `cache`; 4.x called it `past_key_values`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
-class ModelStepper:
-    """The model's own forward with a transformers DynamicCache: the path for any architecture.
-
-    Same interface as `LeanStepper`: prefill -> logits [N, V], step(tokens) -> logits,
-    select(rows). The prompt is prefilled once and its KV cache repeated G times.
-    """
-
-    name = "model-forward"  # recorded in the evidence: which forward produced the samples
-
-    def __init__(self, model):
-        self.model = model
-        self.keyword = cache_keyword(model)
-
-    @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], pad_id: int, group_size: int,
-                max_new_tokens: int, shared: int | None = None) -> torch.Tensor:
-        from transformers import DynamicCache
-
-        input_ids, attention_mask = left_pad(prompts, pad_id, self.model.device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        self.cache = DynamicCache(config=self.model.config)
-        output = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids, use_cache=True, logits_to_keep=1,
-                            **{self.keyword: self.cache})
-        self.cache.batch_repeat_interleave(group_size)
-        self.attention_mask = attention_mask.repeat_interleave(group_size, dim=0)  # [N, P]
-        self.positions = position_ids[:, -1].repeat_interleave(group_size, dim=0)  # [N]
-        return output.logits[:, -1].repeat_interleave(group_size, dim=0)  # [N, V]
-
-    @torch.no_grad()
-    def step(self, token_ids: torch.Tensor) -> torch.Tensor:
-        mask = self.attention_mask
-        self.attention_mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
-        self.positions = self.positions + 1
-        output = self.model(input_ids=token_ids[:, None], attention_mask=self.attention_mask,
-                            position_ids=self.positions[:, None], use_cache=True,
-                            logits_to_keep=1, **{self.keyword: self.cache})
-        return output.logits[:, -1]
-
-    def select(self, keep: torch.Tensor) -> None:
-        self.cache.batch_select_indices(keep)
-        self.attention_mask, self.positions = self.attention_mask[keep], self.positions[keep]
-
-
-def shared_prefix_length(prompts: list[list[int]]) -> int:
-    """Tokens every prompt starts with, leaving each at least one token of its own. Not
-    rounded: the prefix's forward pads it to WIDTH_BUCKET columns itself (`forward_rows`), and
-    rounding it down (62 common tokens of the default's prompts to 48) made every prompt's own
-    part 16 columns wider, twice the prefill's rows."""
-    shortest = min(len(p) for p in prompts)
-    length = 0
-    while length < shortest - 1 and all(p[length] == prompts[0][length] for p in prompts):
-        length += 1
-    return length
+from grpogate.engines.cpu.layers import (MASKED, chunks_by_shape, decoder_layers, decoder_logits,
+                                        forward_rows, prefix_forward, tiled_linear)
+from grpogate.engines.cpu.native import NativeKernels
+from grpogate.engines.cpu.weights import LeanDecoder, linear
+from grpogate.engines.rows import WIDTH_BUCKET, round_up, shared_prefix_length
 
 
 class LeanStepper:
@@ -144,10 +64,16 @@ class LeanStepper:
     holds the rows still in the batch, compacted when rows leave.
     """
 
+    holds_weights = True  # it reads its decoder's fused copies, not the model's tensors
+
     def __init__(self, decoder: LeanDecoder, kernels: NativeKernels | None = None):
         self.decoder, self.kernels = decoder, kernels
         # recorded in the evidence: the decode step's non-product work native or torch's
         self.name = "lean" if kernels is None else "lean-native"
+
+    def fresh(self) -> "LeanStepper":
+        """A new stepper on the same weights (a second decode in lockstep with this one)."""
+        return LeanStepper(self.decoder, self.kernels)
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], pad_id: int, group_size: int,
@@ -337,16 +263,3 @@ class LeanStepper:
             self.keys = [k.index_select(0, keep) for k in self.keys]
             self.values = [v.index_select(0, keep) for v in self.values]
         self.slots, self.positions = self.slots[keep], self.positions[keep]
-
-
-def make_stepper(model, lean: bool = True, pack: bool = True, native: bool = True):
-    """The lean decoder where it covers the model (with the native kernels where they build),
-    else the model's own forward."""
-    decoder = lean_decoder(model, pack) if lean else None
-    if decoder is None:
-        return ModelStepper(model)
-    kernels = native_kernels(decoder.embed.dtype, decoder.embed.device) if native else None
-    if kernels is not None and not kernels.covers(decoder.heads, decoder.kv_heads,
-                                                  decoder.head_dim):
-        kernels = None
-    return LeanStepper(decoder, kernels)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from grpogate.inputs.cache_dir import configured_cache_root
-from grpogate.sampling.native_build import build_library
+from grpogate.files.cache_dir import configured_cache_root
+from grpogate.engines.cpu.native_build import build_library
 
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 MAX_GROUP = 8  # query heads per KV head the attention kernel is built for (native_kernels.cpp)

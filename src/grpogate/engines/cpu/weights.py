@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpogate.engines.cpu.capability import describe
+
 
 def bf16_kernels_available() -> bool:
     """oneDNN bfloat16 kernels (avx512_bf16 / AMX on x86): bfloat16 is then a fast CPU dtype."""
@@ -58,9 +60,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
-
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
 @dataclass(frozen=True)
@@ -112,38 +111,32 @@ def _fuse(parts: list[tuple[torch.Tensor, torch.Tensor | None]]):
 
 
 def lean_decoder(model, pack: bool = True) -> LeanDecoder | None:
-    """The model's current weights, fused for decoding, or None where this path does not apply.
+    """The model's current weights, fused for decoding, or None where this path does not apply:
+    a model `capability.describe` declines, a forward hook (it changes what a module returns;
+    only the model's own forward runs it), or an active, unmerged LoRA layer.
 
     With `pack`, weights `can_prepack` are prepacked (a copy: the model's tensors are untouched).
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = base.config
-    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+    decoder = describe(model)
+    if isinstance(decoder, str):
         return None
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
-        return None  # a hook changes what a module returns; only the model's forward runs it
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return None
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return None
-    rotary = base.model.rotary_emb
-    rope_type = str(getattr(rotary, "rope_type", "default"))
-    if "dynamic" in rope_type or rope_type == "longrope":  # tables would depend on the length
-        return None
+    config = decoder.base.config
     linears = []
-    for block in base.model.layers:
+    for block in decoder.blocks:
         attention, mlp = block.self_attn, block.mlp
         linears.append([_plain_weights(m) for m in (attention.q_proj, attention.k_proj,
                                                     attention.v_proj, attention.o_proj,
                                                     mlp.gate_proj, mlp.up_proj, mlp.down_proj)])
-    head = _plain_weights(base.lm_head)
+    head = _plain_weights(decoder.lm_head)
     if head is None or any(part is None for layer in linears for part in layer):
         return None
     packed = pack and can_prepack(head[0])
     matrix = prepack if packed else (lambda weight: weight)
     layers = []
     with torch.no_grad():
-        for block, (q, k, v, o, gate, up, down) in zip(base.model.layers, linears):
+        for block, (q, k, v, o, gate, up, down) in zip(decoder.blocks, linears):
             qkv, qkv_bias = _fuse([q, k, v])
             gate_up, gate_up_bias = _fuse([gate, up])
             layers.append(LayerWeights(
@@ -154,8 +147,8 @@ def lean_decoder(model, pack: bool = True) -> LeanDecoder | None:
         lm_head = matrix(head[0])
     heads = config.num_attention_heads
     return LeanDecoder(
-        embed=base.model.embed_tokens.weight, layers=tuple(layers), norm=base.model.norm.weight,
+        embed=decoder.embed.weight, layers=tuple(layers), norm=decoder.norm.weight,
         lm_head=lm_head, lm_head_bias=head[1], eps=config.rms_norm_eps, heads=heads,
         kv_heads=config.num_key_value_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        intermediate=config.intermediate_size, rotary=rotary)
+        intermediate=config.intermediate_size, rotary=decoder.rotary)

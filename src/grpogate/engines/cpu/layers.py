@@ -1,4 +1,5 @@
-"""The lean decoder's layers: the mathematics of Llama/Qwen2 blocks on `LeanDecoder` weights.
+"""The lean decoder's layers: the mathematics of the supported blocks (capability.py) on
+`LeanDecoder` weights.
 
 `decoder_layers` runs every block on hidden states [N, T, D] with the caller's attention and
 KV store, so the decode step (decoding.LeanStepper), the prompts' prefill and the re-test's
@@ -13,17 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from grpogate.sampling.lean_weights import LeanDecoder, linear
+from grpogate.engines.cpu.weights import LeanDecoder, linear
+from grpogate.engines.rows import WIDTH_BUCKET, round_up
 
 MASKED = -1e30  # additive attention mask; finite, so an all-masked (padding) query stays finite
-# bfloat16 matmuls on the CPU go through oneDNN, which builds a kernel for every new matrix shape
-# (seconds of warm-up spread over a run). Prompt widths are therefore rounded up to this
-# multiple so that a run sees a handful of shapes, not hundreds.
-WIDTH_BUCKET = 16
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""The engines: the forwards that sample, score and train a policy, behind one interface.
+
+Everything above this package (sampling, training, the re-test, replay, delivery) reaches a
+model's forward through `engine_for(model)` and the `Engine` it returns, and through
+`row_kernels` for the operations on logits rows; nothing above imports an engine's modules.
+
+- `reference.ReferenceEngine`: the model's own transformers/PEFT forward, unpatched, for any
+  causal LM. It is the truth the contract suite (tests/test_engine_contract.py) holds every
+  other engine to.
+- `cpu.CpuEngine`: the CPU accelerator, for the models its capability check accepts
+  (cpu/capability.py reads the loaded model's structure and settings, never its name).
+
+`engine_for` picks the accelerator where it accepts the model and the reference engine
+otherwise, and the engine's `identity()` (its name and, for the reference, why the accelerator
+declined) goes into every run's evidence.
+
+The sampling contract sits above the engines, in sampling/rollout.py: every completion's
+tokens are drawn by inverse CDF from the engine's next-token logits with a generator seeded
+per (prompt, sample), so a completion depends on its own prompt and seed only, whichever
+batch, rank or engine computes it; an engine supplies the logits (`Stepper`). A future engine
+that samples inside itself (vLLM, SGLang) maps onto this interface as docs/design.md
+("Engines") describes.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import torch
+
+from grpogate.engines.cpu import CpuEngine, declines
+from grpogate.engines.cpu.native import NativeKernels, kernels_identity, native_kernels
+from grpogate.engines.reference import ReferenceEngine
+
+__all__ = ["Engine", "Scorer", "Stepper", "engine_for", "kernels_identity", "row_kernels"]
+
+
+class Stepper(Protocol):
+    """A decode forward: the logits the sampler draws from, one token per row per step."""
+
+    name: str  # recorded as each step's decode path
+
+    def prefill(self, prompts: list[list[int]], pad_id: int, group_size: int,
+                max_new_tokens: int, shared: int | None = None) -> torch.Tensor:
+        """Prompts -> next-token logits [N, V] for N = len(prompts) * group_size rows, each
+        prompt's group_size rows in a row; `shared`: prefix tokens to forward once."""
+
+    def step(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The rows' sampled tokens [N] -> their next-token logits [N, V]."""
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only rows `keep` (sorted indices) from now on."""
+
+
+class Scorer(Protocol):
+    """A teacher-forced forward: the logits at every completion token, all positions at once."""
+
+    holds_weights: bool  # True: it keeps the weights it was built on; else it reads the model's
+
+    def __call__(self, groups: list[tuple[list[int], list[list[int]]]],
+                 pad_id: int) -> list[list[torch.Tensor]]:
+        """[(a prompt's tokens, its completions)] -> per prompt, one [len(completion), V]
+        tensor of next-token logits per completion."""
+
+
+class Engine(Protocol):
+    name: str
+    declined: str  # why the accelerator declined the model ("" where it did not)
+
+    def stepper(self, model) -> Stepper:
+        """The decode forward on `model`'s weights as they are now."""
+
+    def scorer(self, model, prefix: list[int]) -> Scorer:
+        """The teacher-forced forward on `model`'s weights; `prefix`: tokens every scored
+        prompt starts with."""
+
+    def update_forward(self, model) -> AbstractContextManager:
+        """The update's forwards of `model` (with gradients) run inside this block."""
+
+    def packed_attention(self, model, segments) -> AbstractContextManager:
+        """The forward of one packed row of `segments` runs inside this block."""
+
+    def identity(self) -> dict:
+        """{"name", "declined"}: what the evidence records."""
+
+
+def engine_for(model) -> Engine:
+    """The accelerator where its capability check accepts `model`, else the reference."""
+    reason = declines(model)
+    return CpuEngine() if not reason else ReferenceEngine(f"cpu accelerator: {reason}")
+
+
+def row_kernels(dtype: torch.dtype, device) -> NativeKernels | None:
+    """The native operations on rows of logits (the sampler's draw, log-sum-exp and entropy,
+    KL between two rows, the log-prob head's forward and backward) for tensors of `dtype` on
+    `device`, or None where they do not build or apply: callers then run torch's. They read
+    logits only, so they serve every engine."""
+    return native_kernels(dtype, device)

@@ -1,0 +1,171 @@
+"""The engines' contract (engines/__init__.py), tested once against every engine.
+
+Every engine that runs a model must, on tiny random models of each architecture the CPU
+accelerator accepts (float32, so the reference engine's forward is the truth to a few ulps):
+sample the same tokens as the reference engine from the same seeds (the sampling contract:
+inverse-CDF draws, seeded per prompt and sample), whichever batch a prompt lands in; score
+completions teacher-forced to the reference's logits; and leave the update's forward equal,
+values and gradients. Models the accelerator declines go to the reference engine, with the
+reason recorded; a whole run on one (a tiny Mistral with a sliding window) records it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from grpogate.engines import engine_for
+from grpogate.engines.cpu import CpuEngine
+from grpogate.engines.reference import ReferenceEngine, teacher_forced_logits
+from grpogate.sampling.rollout import SamplingSettings, generate_completions
+
+SIZES = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, eos_token_id=96)
+ACCEPTED = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SIZES)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SIZES)),  # q/k/v carry biases
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**SIZES, sliding_window=None)),
+}
+DECLINED = {
+    "mistral-window": (lambda: MistralForCausalLM(MistralConfig(**SIZES, sliding_window=4)),
+                       "sliding-window attention unsupported"),
+    "phi3": (lambda: Phi3ForCausalLM(Phi3Config(**SIZES, pad_token_id=0)),
+             "attention without separate q/k/v/o projections unsupported"),
+    "qwen3": (lambda: Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=16)),
+              "attention with ['k_norm', 'q_norm'] unsupported"),
+    "gpt2": (lambda: GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2)),
+             "no decoder stack of the form model.{layers, embed_tokens, norm, rotary_emb}, "
+             "lm_head"),
+}
+ENGINES = {"reference": ReferenceEngine, "cpu": CpuEngine,
+           "cpu-torch-step": lambda: CpuEngine(native=False)}
+PROMPTS = [list(range(1, 21)) + [30, 31], list(range(1, 21)) + [40], [5, 6, 7],
+           list(range(1, 21)) + [50] * 9]
+SETTINGS = SamplingSettings(max_new_tokens=12, temperature=1.0, top_p=1.0, batch_size=64)
+
+
+class _Tokenizer:
+    eos_token_id, pad_token_id = 96, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def model_of(kind: str):
+    torch.manual_seed(0)
+    return ACCEPTED[kind]().eval()
+
+
+def sample(model, engine, prompts, batch_size: int, indexes=None) -> list[list[int]]:
+    settings = SamplingSettings(SETTINGS.max_new_tokens, SETTINGS.temperature, SETTINGS.top_p,
+                                batch_size)
+    completions = generate_completions(model, _Tokenizer(), prompts, 4, settings, seed=7,
+                                       stepper=engine.stepper(model), prompt_indexes=indexes,
+                                       shared_prefix=20)
+    return [list(c.completion_token_ids) for c in completions]
+
+
+@pytest.mark.parametrize("kind", sorted(ACCEPTED))
+def test_the_accelerator_accepts_by_structure(kind):
+    engine = engine_for(model_of(kind))
+    assert (engine.name, engine.identity()) == ("cpu", {"name": "cpu", "declined": ""})
+
+
+@pytest.mark.parametrize("kind", sorted(DECLINED))
+def test_a_declined_model_goes_to_the_reference_engine_with_its_reason(kind):
+    torch.manual_seed(0)
+    build, reason = DECLINED[kind]
+    engine = engine_for(build())
+    assert engine.identity() == {"name": "reference", "declined": f"cpu accelerator: {reason}"}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.parametrize("kind", sorted(ACCEPTED))
+def test_every_engine_samples_the_reference_tokens_whatever_the_batch(kind, engine):
+    model = model_of(kind)
+    expected = sample(model, ReferenceEngine(), PROMPTS, 64)
+    assert sample(model, ENGINES[engine](), PROMPTS, 64) == expected
+    # One prompt at a time (batch of G rows), its index kept: the same tokens per prompt.
+    alone = [row for i, prompt in enumerate(PROMPTS)
+             for row in sample(model, ENGINES[engine](), [prompt], 4, indexes=[i])]
+    assert alone == expected
+    assert len({tuple(row) for row in expected}) > 4  # the draws are not all one sequence
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.parametrize("kind", sorted(ACCEPTED))
+def test_every_engine_scores_the_reference_logits(kind, engine):
+    model = model_of(kind)
+    groups = [(prompt, [[7, 8, 9, 10], [11], list(range(20, 34))]) for prompt in PROMPTS[:2]]
+    scorer = ENGINES[engine]().scorer(model, PROMPTS[0][:20])
+    with torch.no_grad():
+        got = scorer(groups, 0)
+        for (prompt, completions), logits in zip(groups, got):
+            # The truth: one unpadded forward of each whole sequence.
+            for completion, row in zip(completions, logits):
+                whole = model(torch.tensor([prompt + completion])).logits[0]
+                expected = whole[len(prompt) - 1:len(prompt) - 1 + len(completion)]
+                torch.testing.assert_close(row, expected, atol=1e-4, rtol=1e-4)
+        again = teacher_forced_logits(model, [(groups[0][0], c) for c in groups[0][1]], 0)
+        for row, reference in zip(got[0], again):
+            torch.testing.assert_close(row, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.parametrize("kind", sorted(ACCEPTED))
+def test_every_engine_keeps_the_update_forward_and_its_gradients(kind, engine):
+    model = model_of(kind)
+    ids = torch.tensor([PROMPTS[0] + [7, 8, 9]])
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(ids).logits.float().logsumexp(-1).sum()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    expected, expected_grads = loss_and_grads()
+    with ENGINES[engine]().update_forward(model):
+        got, grads = loss_and_grads()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+    for grad, reference in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, reference, atol=1e-4, rtol=1e-4)
+
+
+def _tiny_mistral(directory: Path, tiny_model_dir: Path) -> Path:
+    """The tiny Llama's sizes and tokenizer as a Mistral with a 4-token sliding window."""
+    from transformers import AutoTokenizer
+
+    llama = json.loads((tiny_model_dir / "config.json").read_text())
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+            "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**{k: llama[k] for k in keys}, sliding_window=4))
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(directory)
+    return directory
+
+
+def test_a_declined_architecture_runs_a_whole_job_on_the_reference_engine(tmp_path, tiny_model_dir):
+    from grpogate import pipeline
+    from grpogate.config import load_config
+    from grpogate.evidence.audit import audit_run
+    from conftest import TINY_SIZES, _toml_value
+
+    model = _tiny_mistral(tmp_path / "mistral", tiny_model_dir)
+    sets = [f"{key}={_toml_value(value)}" for key, value in TINY_SIZES.items()]
+    config = load_config("smoke", overrides=sets, model=str(model), out=str(tmp_path / "run"))
+    evidence = pipeline.run(config)
+    run_dir = Path(evidence["run_dir"])
+    recorded = json.loads((run_dir / "evidence.json").read_text())
+    assert recorded["environment"]["engine"] == {
+        "name": "reference", "declined": "cpu accelerator: sliding-window attention unsupported"}
+    assert {s["decode_path"] for s in recorded["steps"]} == {"model-forward"}
+    assert recorded["decision"]["decision"] in ("accept", "tune", "reject")
+    assert audit_run(run_dir)["mismatches"] == []
