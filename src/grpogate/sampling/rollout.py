@@ -117,11 +117,12 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator,
     Inverse-CDF sampling with one uniform number per row, in two levels: pick a block of `block`
     tokens by the cumulative block masses, then a token inside it. torch.multinomial draws an
     exponential for every vocabulary entry (49,152 per row here) and a full float64 cumulative
-    sum costs as much again; measured, each was a fifth or more of all decoding time.
+    sum costs as much again, each a large share of decoding time (docs/measurements.md,
+    "Figures moved from code comments"); the two levels need neither.
     The log-prob costs one gather and the kept mass this function sums anyway. With nothing
     truncated, the native kernels (where they build) run the same two levels row by row on the
-    logits as they are (`engines.row_kernels`): no float32 copy of the batch (measured with AMX
-    kernels: 22.5 ms a step at 256 rows, half of it that copy).
+    logits as they are (`engines.row_kernels`): no float32 copy of the batch, which is much of
+    the torch draw's cost (docs/measurements.md, "Figures moved from code comments").
     `generator` is a torch.Generator (one uniform per row drawn from it) or the uniforms
     themselves, [N, 1] float64 in [0, 1) (`_decode_groups` draws them per prompt).
     """
@@ -207,7 +208,9 @@ def _row_uniforms(generators: list, rows: torch.Tensor, group_size: int) -> torc
     return table.view(-1)[rows.cpu()].unsqueeze(1).to(rows.device)
 
 
-@torch.inference_mode()  # no autograd bookkeeping per op: measured 1.045x tokens/s, same tokens
+# Inference mode: no autograd bookkeeping per op, the same tokens (docs/measurements.md,
+# "Figures moved from code comments").
+@torch.inference_mode()
 def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings: SamplingSettings,
                    eos_ids: set[int], pad_id: int, generator, device,
                    advance=None, shared: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
@@ -226,8 +229,8 @@ def _decode_groups(stepper, prompts: list[list[int]], group_size: int, settings:
     total, reported = len(prompts) * group_size, 0
     # A batch under ROW_BUCKET rows rides with copies of its last prompt (never live, their own
     # generator): below 8 rows the CPU matmul takes another kernel whose sums round
-    # differently (measured: 1 ulp of a log-prob), so a prompt alone on a rank would not
-    # reproduce the log-probs it gets in one process's larger batch.
+    # differently (docs/measurements.md, "Figures moved from code comments"), so a prompt
+    # alone on a rank would not reproduce the log-probs it gets in one process's larger batch.
     fillers = -(-max(ROW_BUCKET - total, 0) // group_size)
     prompts = prompts + [prompts[-1]] * fillers
     generators = generators + [torch.Generator().manual_seed(0)] * fillers

@@ -68,9 +68,9 @@ def picked_logprobs(logits: torch.Tensor, index: torch.Tensor, token_ids: torch.
     On the native kernels where they apply (`NativeLogProbs`); otherwise in torch, `chunk`
     positions at a time: no full-vocabulary float32 copy of the logits is ever materialized.
     The chunks are one `split`, whose backward concatenates their gradients once; slicing each
-    chunk out instead gave every chunk's backward a zero-filled gradient of the whole [U, V]
-    to add into (measured with bf16 kernels: 17 fills and 16 adds of 100 MB for one
-    micro-batch of 1,027 completion tokens, about 1.1 s of its 5 s). The chosen logit is taken
+    chunk out instead would give every chunk's backward a zero-filled gradient of the whole
+    [U, V] to add into, a fill and an add over all the logits per chunk (docs/measurements.md,
+    "Figures moved from code comments"). The chosen logit is taken
     from the float32 chunk, so its gradient and the normalizer's meet in float32 and are
     rounded to the logits' dtype once."""
     kernels = row_kernels(logits.dtype, logits.device)

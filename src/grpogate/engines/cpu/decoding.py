@@ -1,12 +1,13 @@
-"""The decode forwards that sampling runs: the model's own, and a lean one for the Llama family.
+"""The CPU accelerator's decode forward: the lean decoder of the supported models (capability.py).
 
-Both are "steppers" with one interface: prefill(prompts) -> logits, step(tokens) -> logits,
-select(rows) when finished rows leave the batch. `ModelStepper` calls the model's forward with a
-transformers cache and works for any architecture. At decode time that forward spends about as
-long around the matrix products as in them (measured on SmolLM2 at batch 64: per-layer dtype
-copies, a KV cache grown by torch.cat each step, SDPA on a one-token query), so `LeanStepper` runs
-the same mathematics for Llama and Qwen2 directly on the model's weight tensors, as they are at
-the moment of the call:
+`LeanStepper` is a "stepper" (the `Stepper` interface, engines/__init__.py): prefill(prompts)
+-> logits, step(tokens) -> logits, select(rows) when finished rows leave the batch. The
+reference engine's `ModelStepper` (engines/reference.py) calls the model's forward with a
+transformers cache and works for any architecture, but at decode time that forward does much
+of its work around the matrix products (per-layer dtype copies, a KV cache grown by torch.cat
+each step, SDPA on a one-token query; docs/measurements.md, "Figures moved from code
+comments"), so `LeanStepper` runs the same mathematics for the supported decoder directly on
+the model's weight tensors, as they are at the moment of the call:
 
 - q/k/v and gate/up are fused into one matrix product each (5 products per layer become 2),
 - the KV cache is allocated once for the whole rollout and written in place, each prompt's
@@ -17,17 +18,17 @@ the moment of the call:
   and the prompts' own tokens in batches whose products have one row count (`forward_rows`),
 - cos/sin tables come from the model's own rotary module, once per rollout,
 - on a CPU with oneDNN bfloat16 kernels, every weight is reordered once per rollout into the
-  kernel's blocked layout ("prepacked"), so a decode step no longer reorders 270 MB of weights
-  per call (measured on SmolLM2, all 211 products: 12.4 -> 8.5 ms at 8 rows, 29.4 -> 24.4 ms at
-  64; the results are bit-identical); in float32 on an x86 CPU too, where F.linear runs MKL's
-  sgemm and oneDNN on prepacked weights is faster at these row counts (measured on a 2-core AVX2
-  CPU: a whole rollout 1.31x) but rounds its sums in another order (lean_weights.can_prepack).
+  kernel's blocked layout ("prepacked"), so a decode step no longer reorders the weights on
+  every call (the results are bit-identical); in float32 on an x86 CPU too, where F.linear
+  runs MKL's sgemm and oneDNN on prepacked weights is the faster kernel at these row counts
+  but rounds its sums in another order (weights.can_prepack; docs/measurements.md, "Figures
+  moved from code comments").
 
-`lean_decoder(model)` (lean_weights.py, which holds the fused and prepacked weights) returns
-None for anything it does not cover (another architecture, a sliding window, a length-dependent
-RoPE, LoRA layers that are active and unmerged, forward hooks), and the rollout then uses
-`ModelStepper`. The blocks' mathematics, shared with the re-test's scorer, is in layers.py.
-Tests compare both paths' logits.
+`lean_decoder(model)` (weights.py, which holds the fused and prepacked weights) returns None
+for anything it does not cover (a model `capability.describe` declines, LoRA layers that are
+active and unmerged, forward hooks), and the engine then steps with `ModelStepper`. The
+blocks' mathematics, shared with the re-test's scorer, is in layers.py. Tests compare both
+paths' logits.
 """
 
 from __future__ import annotations
@@ -50,14 +51,13 @@ class LeanStepper:
     left-padded], S in all, with an additive mask [n, S] for the padding; and each row's own
     generated part, keys and values [N, Hkv, T, d] (keys [N, Hkv, d, T] for the native step).
     The prefix the prompts have in common (system prompt and chat template, typically) is
-    computed once at batch 1 (measured on the bench rollout: prefill 0.22 -> 0.15 s); the
-    prompts' suffixes attend to it, forwarded together by `forward_rows`
-    (`_prefill_suffixes`). A decode step attends a row to its prompt's part in one matrix
-    product per prompt (its G rows' queries against keys read once, `_step_attention`; with
-    the native kernels, `_native_step`) and to its own columns, one softmax over both. Reading the
-    prompt's keys once per row, as a cache repeated G times does, made attention and cache
-    writes about 40 % of a decode step at batch 64 (bf16 kernels: the prompt is 80 of 128
-    columns there).
+    computed once at batch 1, not once per prompt; the prompts' suffixes attend to it,
+    forwarded together by `forward_rows` (`_prefill_suffixes`). A decode step attends a row to
+    its prompt's part in one matrix product per prompt (its G rows' queries against keys read
+    once, `_step_attention`; with the native kernels, `_native_step`) and to its own columns,
+    one softmax over both. A cache repeated G times would read the prompt's keys once per row,
+    and a prompt can be most of a row's columns; held once per prompt, they are read once per
+    step for all G rows (docs/measurements.md, "Figures moved from code comments").
     Row r of the prefill's batch is slot r = prompt x G + sample; `slots` maps the rows still
     in the batch to theirs, since finished rows leave it (`select`). The native step reads a
     row's own cache at its slot, so a row leaving moves no cache; the torch step's cache
@@ -139,8 +139,8 @@ class LeanStepper:
 
         Prompts of one padded width go through `forward_rows` together, PROMPTS_PER_FORWARD at
         a time, so a prompt computes the same numbers whatever batch or rank it lands in
-        (world-size invariance) without a forward of its own (measured with bf16 kernels:
-        prefill of 8 prompts 0.31-0.35 -> 0.16 s, of 64 prompts 2.2-2.4 -> 0.8-0.9 s)."""
+        (world-size invariance) without a forward of its own, which would read every weight
+        once per prompt (docs/measurements.md, "Figures moved from code comments")."""
         dec = self.decoder
         suffix_mask = torch.zeros((len(suffixes), width), dtype=torch.long,
                                   device=dec.embed.device)
@@ -175,9 +175,9 @@ class LeanStepper:
                     (self.prompt_values[index], self.values[index]))
 
         # The rows' own part is read whole, its unwritten columns masked: a slice of it is a
-        # strided operand that the bfloat16 product first copies (about 0.2 ms a layer at batch
-        # 64), and over whole rollouts the two measured the same (550 vs 554 tokens/s); whole,
-        # every step's products keep one shape.
+        # strided operand that the bfloat16 product first copies, so a slice saves nothing over
+        # a rollout (docs/measurements.md, "Figures moved from code comments"); whole, every
+        # step's products keep one shape.
         self.own_mask[column] = 0.0
         prompt_mask = self.prompt_mask[self.slots // self.group]  # [N, S]
         mask = torch.cat([prompt_mask, self.own_mask.expand(len(prompt_mask), -1)], dim=1)
@@ -257,8 +257,8 @@ class LeanStepper:
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only batch rows `keep` (sorted indices). The native step reads each row's own
-        cache at its slot, so nothing is copied (a 48 x 4 re-test's row drops took 0.27 s of
-        copies); the torch step's products read the rows' caches whole, so they are compacted."""
+        cache at its slot, so nothing is copied when rows leave; the torch step's products read
+        the rows' caches whole, so they are compacted."""
         if self.kernels is None:
             self.keys = [k.index_select(0, keep) for k in self.keys]
             self.values = [v.index_select(0, keep) for v in self.values]

@@ -4,9 +4,10 @@ A transformers RMSNorm is eight tensor operations forward (a float32 copy, squar
 mean, add, rsqrt, multiply, the cast back, the weight's multiply) and about twice as many in
 the backward; its MLP's `silu(gate) * up` is two forward and four backward. At the update's
 packed row (one row of 300-600 positions) each operation is a pass over a few hundred KB to a
-few MB, dispatched on its own: together they were about a fifth of the update's time on a 2-core
-CPU. Inside `fused_norms_and_swiglu(model)` each such norm and MLP computes the same
-mathematics in one native call forward and one backward (`engines/cpu/native_kernels.cpp`):
+few MB, dispatched on its own: together a sizeable share of the update's time on a CPU
+(docs/measurements.md, "Figures moved from code comments"). Inside
+`fused_norms_and_swiglu(model)` each such norm and MLP computes the same mathematics in one
+native call forward and one backward (`engines/cpu/native_kernels.cpp`):
 
 - RMSNorm: the decode step's `rms_norm` kernel forward (float32 sums, the normalized value
   rounded to the dtype, then scaled); backward dx = r gh - x r^3 sum(gh x) / D with gh the
@@ -17,7 +18,7 @@ mathematics in one native call forward and one backward (`engines/cpu/native_ker
 
 Both only where the native kernels build for the dtype (bfloat16 or float32) on a CPU; a
 norm's sums run in the kernels' fixed order, not torch's, so values move by float32 rounding
-of the variance (the decode step's native norms have always summed this way).
+of the variance (as the decode step's native norms sum).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ MASKED = -1e30  # additive attention mask; finite, so an all-masked (padding) qu
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers' Llama/Qwen2 RMSNorm: normalize in float32, scale in the model dtype."""
+    """As the supported decoder's RMSNorm in transformers (capability.py): normalize in
+    float32, scale in the model dtype."""
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -38,9 +39,9 @@ def _attention(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, mask
     -> [N, T, H d].
 
     Query heads sharing a KV head are stacked as rows of one matmul, so K/V are read once. Keys
-    are stored transposed, [d, L] per head, so the score matmul reads them as stored (measured
-    on the bench rollout: 760 against 690 tokens/s when transposing [L, d] keys). Softmax runs
-    in float32, as in transformers.
+    are stored transposed, [d, L] per head, so the score matmul reads them as stored instead of
+    transposing [L, d] keys at every call (docs/measurements.md, "Figures moved from code
+    comments"). Softmax runs in float32, as in transformers.
     """
     n, t, h, d = q.shape
     kv_heads, length = keys_t.shape[1], keys_t.shape[3]
@@ -103,10 +104,10 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  tile: int = ROW_TILE) -> torch.Tensor:
     """`linear` on x's rows in products of exactly `tile` rows (the last one zero-padded).
 
-    The CPU's matmul kernels round a row differently at another row count (measured with
-    oneDNN's bfloat16 kernels: a row's result at 16 rows differs from the same row's at 48, 64
-    or 256), but at one row count a row's result depends neither on its place nor on the other
-    rows; so with every product `tile` rows, a row computes the same numbers in any batch."""
+    The CPU's matmul kernels (oneDNN's bfloat16 ones among them) round a row differently at
+    another row count (docs/measurements.md, "Figures moved from code comments"), but at one
+    row count a row's result depends neither on its place nor on the other rows; so with every
+    product `tile` rows, a row computes the same numbers in any batch."""
     flat = x.reshape(-1, x.shape[-1])
     count = flat.shape[0]
     whole = count - count % tile

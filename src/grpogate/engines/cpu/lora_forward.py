@@ -4,16 +4,16 @@ PEFT keeps the adapter's weights in float32 over a bfloat16 base, and its `lora.
 casts each layer's input to float32 for the adapter, multiplies the adapter's [L, out] output by
 the scale, adds it to the base output (promoting that to float32) and casts the sum back: four
 passes over [L, out] or [L, in] tensors per layer and as many in the backward, for two products
-of rank r. Measured on a 2-core AMX Xeon, one SmolLM2 layer's seven adapted linears at L = 560
-forward and backward: 16.3 ms against 6.4 ms for the base products alone.
+of rank r: passes that cost more than the base products themselves (docs/measurements.md,
+"Figures moved from code comments").
 
 Inside `base_dtype_lora(model)` a plain adapted linear instead computes
 
     base(x) + (x A^T) (scale B)^T      with A and scale B cast to x's dtype (differentiably)
 
-so its big tensors stay in bfloat16 (10.6 ms for the same layer). The float32 weights are still
-what the optimizer steps and what the gradients reach, through the cast: each product sums in
-float32 and rounds its output to bfloat16 once, as the base products do. It applies to a plain
+so its big tensors stay in bfloat16. The float32 weights are still what the optimizer steps
+and what the gradients reach, through the cast: each product sums in float32 and rounds its
+output to bfloat16 once, as the base products do. It applies to a plain
 LoRA (no DoRA or other variant, no LoRA bias, no dropout, one active adapter) on a CPU with a
 bfloat16 input and a weight of another dtype; every other call runs PEFT's own forward
 unchanged, so float32 runs and the reference forward (adapters disabled) compute what they did.

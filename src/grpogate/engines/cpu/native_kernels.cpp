@@ -3,11 +3,13 @@
 // backward and SwiGLU forward and backward; the sampler's draw; and the re-test drift's KL and
 // entropy.
 //
-// A decode step at batch 64 spends about as long around its products as in them: some fifty
-// small tensor operations per layer (norms, RoPE, cache writes, four tiny batched products and
-// a softmax for the attention, SiLU), each paying its own dispatch for a few microseconds of
-// work. These kernels do that work in three calls per layer; the products stay in torch
-// (oneDNN, prepacked). See docs/design.md, "The native decode step".
+// Around its matrix products a decode step runs some fifty small tensor operations per layer
+// (norms, RoPE, cache writes, four tiny batched products and a softmax for the attention,
+// SiLU), each paying its own dispatch for a few microseconds of work, which together cost a
+// share of the step comparable to the products' (docs/measurements.md, "Figures moved from
+// code comments"). These kernels do that work in three calls per layer; the products stay in
+// torch (oneDNN, prepacked). See docs/design.md §15, "The CPU accelerator's decode step and
+// log-prob head".
 //
 // Numbers: every kernel reproduces the rounding the torch path applies where it keeps a tensor
 // in the model's dtype (bfloat16: a score, a probability, each attention part and their sum,
@@ -17,7 +19,7 @@
 // row: not on the other rows of the batch, nor on their count. Whether a multiply and an add
 // fuse is the compiler's choice for the CPU it builds on, which is part of the build's key.
 //
-// Built by grpogate.engines.cpu.native with the system C++ compiler, -O3 -march=native
+// Built by grpogate.engines.cpu.native_build with the system C++ compiler, -O3 -march=native
 // -fno-trapping-math -fopenmp. -fno-trapping-math lets GCC turn exp_f32's range selects into
 // blends, so the exponent loops (softmax, SiLU, the log-prob head) vectorize; it reorders no
 // sum and changes no value. OpenMP is the runtime torch itself loaded (same soname), so

@@ -2,8 +2,8 @@
 
 The packed micro-batch (`logprobs.packed_logprobs`) is one row of L positions under a
 tree-shaped additive mask, which SDPA on a CPU runs in its flash kernel. In bfloat16 that
-kernel's backward costs about seven times its forward (measured at L = 592, 9 heads of 64:
-1.6 ms forward, 11.3 ms backward on a 2-core AMX Xeon). `TreeAttention` keeps the flash
+kernel's backward costs several times its forward, and more than the products below
+(docs/measurements.md, "Figures moved from code comments"). `TreeAttention` keeps the flash
 forward, so every forward value is bit-identical to SDPA's, and computes the backward from
 the saved query, key and value in five batched bfloat16 products and torch's fused softmax
 and softmax backward:
@@ -12,14 +12,14 @@ and softmax backward:
     dV = P^T dO    dP = dO V^T      dS = P * (dP - rowsum(dP * P))
     dQ = scale * dS K               dK = scale * dS^T Q
 
-(4.9 ms at the same shape). Its error against a float64 reference is that of the flash
-backward (relative L2 0.39-0.44 % against 0.28-0.48 % on random inputs): the scores are
-rounded to bfloat16 once, as transformers' eager attention rounds them. No L x L tensor is
-kept between the forward and the backward, so memory is what SDPA's costs.
+Its error against a float64 reference is that of the flash backward (the tests hold it
+within about twice the flash backward's): the scores are rounded to bfloat16 once, as
+transformers' eager attention rounds them. No L x L tensor is kept between the forward and
+the backward, so memory is what SDPA's costs.
 
-It applies where that measurement holds: a CPU, bfloat16, a gradient to compute, one row
-under a 4D additive mask. Anywhere else (float32, where the flash backward measured faster
-than these products; the reference forward, under no_grad; another device) the call goes to
+It applies where the products are the faster backward: a CPU, bfloat16, a gradient to
+compute, one row under a 4D additive mask. Anywhere else (float32, where the flash backward
+is the faster; the reference forward, under no_grad; another device) the call goes to
 transformers' SDPA attention unchanged. `tree_attention(model)` selects it for the forwards
 inside its block when the model runs SDPA.
 
@@ -133,9 +133,9 @@ class SegmentedTreeAttention(torch.autograd.Function):
                 None, None)
 
 
-# The segments' share of the dense row's L x L scores at or under which they run: one forward
-# and backward at 9 heads of 64 in bfloat16 (2-core avx512_bf16 EPYC) measured the segments
-# 0.67x the dense row's speed at a share of 0.70 (one group), 1.21x at 0.49 (two), 1.84x at 0.35.
+# The segments' share of the dense row's L x L scores at or under which they run: the
+# per-segment calls pay off only where they skip enough of the row's entries, so a row of one
+# group stays dense (docs/measurements.md, "Figures moved from code comments").
 SEGMENTED_SHARE = 0.5
 
 

@@ -33,10 +33,11 @@ def can_prepack(weight: torch.Tensor) -> bool:
     """Whether `prepack` applies: a bfloat16 weight on a CPU with oneDNN bfloat16 kernels, or a
     float32 weight on an x86 CPU with oneDNN.
 
-    In float32, F.linear runs MKL's sgemm; oneDNN on the prepacked weight was measured faster at
-    the decoder's row counts (2-core AVX2 EPYC: the decode step's products 1.4x at 64 rows, 1.7x
-    at 16, the LM head 1.8-2.3x) and rounds differently (a few float32 ulps of a product).
-    Other architectures keep F.linear: oneDNN's float32 kernels there were never measured."""
+    In float32, F.linear runs MKL's sgemm; oneDNN on the prepacked weight is the faster kernel
+    at the decoder's row counts on x86, for the decode step's products and the LM head alike
+    (docs/measurements.md, "Figures moved from code comments"), and rounds differently (a few
+    float32 ulps of a product). Other architectures keep F.linear: the choice rests on x86
+    measurements alone."""
     if weight.device.type != "cpu" or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     if weight.dtype == torch.float32:
