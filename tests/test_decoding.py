@@ -16,7 +16,6 @@ from grpogate.engines.cpu import scoring
 from grpogate.engines.cpu.scoring import LeanScorer, packed_row, segment_mask
 from grpogate.engines.cpu.weights import can_prepack, lean_decoder, linear, prepack
 from grpogate.inputs.policy import load_policy, sampling_weights
-from grpogate.sampling.rollout import SamplingSettings, generate_completions
 
 SIZES = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
@@ -34,35 +33,6 @@ PROMPT_SETS = [
     [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11]],
     [list(range(1, 21)) + [30, 31], list(range(1, 21)) + [40], list(range(1, 21)) + [50] * 19],
 ]
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("prompts", PROMPT_SETS)
-def test_lean_logits_equal_the_model_forward_through_prefill_decode_and_row_drops(kind, prompts):
-    model = tiny(kind)
-    decoder = lean_decoder(model)
-    assert decoder is not None
-    reference, lean = ModelStepper(model), LeanStepper(decoder)
-    group = 2
-    expected = reference.prefill(prompts, 0, group, 6)
-    got = lean.prefill(prompts, 0, group, 6)
-    assert got.shape == expected.shape == (len(prompts) * group, SIZES["vocab_size"])
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, SIZES["vocab_size"], (len(expected),), generator=generator)
-    # Rows leave the batch as finished completions do: at step 2 one row of prompts 0 and 2,
-    # at step 4 prompt 0's last row (the lean cache keeps a prompt's part while rows of it
-    # remain, and its product keeps G rows a prompt, the rows that left as zeros).
-    drops = {2: torch.tensor([0, 2, 3, 5]), 4: torch.tensor([1, 2, 3])}
-    for step in range(6):
-        if step in drops:
-            keep = drops[step]
-            reference.select(keep)
-            lean.select(keep)
-            tokens = tokens[keep]
-        expected, got = reference.step(tokens), lean.step(tokens)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-        tokens = expected.argmax(-1)
 
 
 needs_prepack = pytest.mark.skipif(not can_prepack(torch.zeros(1, dtype=torch.bfloat16)),
@@ -103,27 +73,6 @@ def test_prepacked_lean_decoder_gives_the_same_logits_bits_as_plain_weights(kind
         logits = a.step(tokens)
         assert torch.equal(logits, b.step(tokens))
         tokens = logits.argmax(-1)
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_lean_scorer_logits_equal_one_model_forward_per_sequence(kind):
-    """Teacher-forced: prefix once, each prompt's suffix once (left-padded), its completions
-    right-padded; prompts of two suffix widths and completions of 0, 1 and 20 tokens."""
-    model = tiny(kind)
-    prefix = list(range(1, 17))
-    groups = [([30, 31], [[7, 8, 9], [], [4]]),
-              ([40] * 18, [list(range(2, 22)), [5, 6]]),
-              ([41, 42, 43], [[9, 9], [1]])]
-    scored = LeanScorer(lean_decoder(model), prefix).score(groups, pad_id=0)
-    for (suffix, completions), logits in zip(groups, scored):
-        for completion, got in zip(completions, logits):
-            sequence = prefix + suffix + completion
-            with torch.no_grad():
-                full = model(input_ids=torch.tensor([sequence])).logits[0]
-            start = len(prefix) + len(suffix) - 1  # predicts the completion's first token
-            expected = full[start:start + len(completion)]
-            assert got.shape == expected.shape
-            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -258,22 +207,6 @@ def test_prefill_with_a_shared_prefix_of_any_length(shared, native):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     tokens = torch.tensor([3, 4, 5, 6, 7, 8])
     torch.testing.assert_close(stepper.step(tokens), plain.step(tokens), atol=1e-5, rtol=1e-5)
-
-
-def test_generate_completions_samples_the_same_tokens_on_both_paths(tiny_config, tmp_path):
-    policy = load_policy(tiny_config(tmp_path), seed=0)
-    prompts = [policy.tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
-        for question in ("What is 3 + 4?", "What is 12 + 30?", "Name a prime.")]
-    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
-    settings = SamplingSettings(max_new_tokens=10, temperature=1.0, top_p=1.0, batch_size=8)
-    with sampling_weights(policy):
-        assert lean_decoder(policy.model) is not None
-        lean = generate_completions(policy.model, policy.tokenizer, prompts, 4, settings, seed=3)
-        model = generate_completions(policy.model, policy.tokenizer, prompts, 4, settings, seed=3,
-                                     stepper=ModelStepper(policy.model))
-    assert [c.completion_token_ids for c in lean] == [c.completion_token_ids for c in model]
-    assert len(lean) == 12 and all(c.completion_token_ids for c in lean)
 
 
 def test_trained_lora_is_sampled_through_merged_weights_not_skipped(tiny_config, tmp_path):

@@ -98,11 +98,46 @@ def test_every_engine_samples_the_reference_tokens_whatever_the_batch(kind, engi
     assert len({tuple(row) for row in expected}) > 4  # the draws are not all one sequence
 
 
+# No common prefix; then a 20-token common prefix with ragged suffixes.
+PROMPT_SETS = [
+    [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11]],
+    [list(range(1, 21)) + [30, 31], list(range(1, 21)) + [40], list(range(1, 21)) + [50] * 19],
+]
+
+
+@pytest.mark.parametrize("prompts", range(len(PROMPT_SETS)))
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.parametrize("kind", sorted(ACCEPTED))
+def test_every_engine_steps_the_reference_logits_through_prefill_steps_and_row_drops(
+        kind, engine, prompts):
+    model, prompts = model_of(kind), PROMPT_SETS[prompts]
+    reference, stepper = ReferenceEngine().stepper(model), ENGINES[engine]().stepper(model)
+    group = 2
+    with torch.no_grad():
+        expected = reference.prefill(prompts, 0, group, 6)
+        got = stepper.prefill(prompts, 0, group, 6)
+        assert got.shape == expected.shape == (len(prompts) * group, SIZES["vocab_size"])
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        tokens = torch.randint(0, SIZES["vocab_size"], (len(expected),),
+                               generator=torch.Generator().manual_seed(1))
+        # Rows leave the batch as finished completions do: at step 2 one row of prompts 0 and
+        # 2, at step 4 prompt 0's last row (a prompt's cached part stays while rows of it do).
+        drops = {2: torch.tensor([0, 2, 3, 5]), 4: torch.tensor([1, 2, 3])}
+        for step in range(6):
+            if step in drops:
+                reference.select(drops[step])
+                stepper.select(drops[step])
+                tokens = tokens[drops[step]]
+            expected, got = reference.step(tokens), stepper.step(tokens)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+            tokens = expected.argmax(-1)
+
+
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 @pytest.mark.parametrize("kind", sorted(ACCEPTED))
 def test_every_engine_scores_the_reference_logits(kind, engine):
     model = model_of(kind)
-    groups = [(prompt, [[7, 8, 9, 10], [11], list(range(20, 34))]) for prompt in PROMPTS[:2]]
+    groups = [(prompt, [[7, 8, 9, 10], [11], list(range(20, 34)), []]) for prompt in PROMPTS[:2]]
     scorer = ENGINES[engine]().scorer(model, PROMPTS[0][:20])
     with torch.no_grad():
         got = scorer(groups, 0)
@@ -111,6 +146,7 @@ def test_every_engine_scores_the_reference_logits(kind, engine):
             for completion, row in zip(completions, logits):
                 whole = model(torch.tensor([prompt + completion])).logits[0]
                 expected = whole[len(prompt) - 1:len(prompt) - 1 + len(completion)]
+                assert row.shape == expected.shape
                 torch.testing.assert_close(row, expected, atol=1e-4, rtol=1e-4)
         again = teacher_forced_logits(model, [(groups[0][0], c) for c in groups[0][1]], 0)
         for row, reference in zip(got[0], again):
@@ -169,3 +205,26 @@ def test_a_declined_architecture_runs_a_whole_job_on_the_reference_engine(tmp_pa
     assert {s["decode_path"] for s in recorded["steps"]} == {"model-forward"}
     assert recorded["decision"]["decision"] in ("accept", "tune", "reject")
     assert audit_run(run_dir)["mismatches"] == []
+
+
+def test_the_installed_libraries_are_versions_the_accelerator_was_tested_on():
+    from grpogate.engines.cpu.versions import untested_versions
+
+    assert untested_versions() == "", (
+        f"{untested_versions()}: the CPU accelerator relies on private APIs of this library and "
+        "declines it, so runs take the reference engine. Run tests/test_engine_contract.py and "
+        "the accelerator's tests on it, then add it to engines/cpu/versions.py TESTED.")
+
+
+def test_an_untested_version_sends_the_model_to_the_reference_engine(monkeypatch):
+    from grpogate.engines.cpu import versions
+
+    monkeypatch.setattr(versions.metadata, "version",
+                        lambda name: "5.99.0" if name == "transformers" else "2.13.0")
+    versions.untested_versions.cache_clear()
+    try:
+        assert engine_for(model_of("llama")).identity() == {
+            "name": "reference",
+            "declined": "cpu accelerator: transformers 5.99.0 untested (tested: 5.25)"}
+    finally:
+        versions.untested_versions.cache_clear()

@@ -24,7 +24,9 @@ that samples inside itself (vLLM, SGLang) maps onto this interface as docs/desig
 
 from __future__ import annotations
 
+import sys
 from contextlib import AbstractContextManager
+from functools import lru_cache
 from typing import Protocol
 
 import torch
@@ -40,6 +42,8 @@ class Stepper(Protocol):
     """A decode forward: the logits the sampler draws from, one token per row per step."""
 
     name: str  # recorded as each step's decode path
+    holds_weights: bool  # True: it reads its own copy of the weights and has fresh() -> a new
+    # stepper on that copy (the re-test decodes the baseline in lockstep with it)
 
     def prefill(self, prompts: list[list[int]], pad_id: int, group_size: int,
                 max_new_tokens: int, shared: int | None = None) -> torch.Tensor:
@@ -86,9 +90,18 @@ class Engine(Protocol):
 
 
 def engine_for(model) -> Engine:
-    """The accelerator where its capability check accepts `model`, else the reference."""
+    """The accelerator where its capability check accepts `model`, else the reference (said
+    once on the terminal per reason)."""
     reason = declines(model)
-    return CpuEngine() if not reason else ReferenceEngine(f"cpu accelerator: {reason}")
+    if not reason:
+        return CpuEngine()
+    _say(f"cpu accelerator: {reason}")
+    return ReferenceEngine(f"cpu accelerator: {reason}")
+
+
+@lru_cache(maxsize=16)
+def _say(declined: str) -> None:
+    print(f"grpogate: engine: reference ({declined})", file=sys.stderr)
 
 
 def row_kernels(dtype: torch.dtype, device) -> NativeKernels | None:

@@ -7,7 +7,8 @@ head. `describe(model)` checks the loaded model against that description, module
 and setting by setting, and returns either the modules the accelerator reads (`Decoder`: its
 decode forward reads their weights, its update patches replace their norms' and MLPs'
 forwards) or the first reason it declines, worded for the evidence ("sliding-window attention
-unsupported"). Llama, Qwen2, Mistral without a sliding window and SmolLM2 match; Phi-3 (fused
+unsupported"). It declines too on a torch, transformers or PEFT version its private uses were
+not tested on (versions.py). Llama, Qwen2, Mistral without a sliding window and SmolLM2 match; Phi-3 (fused
 projections), Qwen3 (per-head q/k norms), Gemma (GELU, norms of another form) do not.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from grpogate.engines.cpu.versions import untested_versions
 
 BLOCK_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -112,6 +115,9 @@ def _block_reason(block) -> str:
 
 def describe(model) -> Decoder | str:
     """`model`'s modules as the accelerator reads them, or why it declines the model."""
+    untested = untested_versions()
+    if untested:
+        return untested
     base = base_model(model)
     inner = getattr(base, "model", None)
     parts = ("layers", "embed_tokens", "norm", "rotary_emb")

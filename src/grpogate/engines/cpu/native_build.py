@@ -1,5 +1,5 @@
 """The native kernels' build: made by grpogate in a directory only this user can write, hashed
-after the build and before every load (docs/design.md §14).
+after the build and before every load (docs/design.md §15).
 
 The library lives in `<cache>/native/` (cache: the configured `cache_dir`, else $GRPOGATE_CACHE
 or ~/.cache/grpogate), named by a key over the source, the compiler and its version, the flags
