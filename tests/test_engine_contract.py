@@ -20,7 +20,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from grpogate.engines import engine_for
+from grpogate.engines import engine_for, row_kernels
 from grpogate.engines.cpu import CpuEngine
 from grpogate.engines.reference import ReferenceEngine, teacher_forced_logits
 from grpogate.sampling.rollout import SamplingSettings, generate_completions
@@ -112,6 +112,9 @@ def test_every_engine_steps_the_reference_logits_through_prefill_steps_and_row_d
         kind, engine, prompts):
     model, prompts = model_of(kind), PROMPT_SETS[prompts]
     reference, stepper = ReferenceEngine().stepper(model), ENGINES[engine]().stepper(model)
+    native = row_kernels(torch.float32, torch.device("cpu")) is not None
+    assert stepper.name == {"reference": "model-forward", "cpu-torch-step": "lean",
+                            "cpu": "lean-native" if native else "lean"}[engine]
     group = 2
     with torch.no_grad():
         expected = reference.prefill(prompts, 0, group, 6)

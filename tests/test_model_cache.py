@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from grpogate.files import cache_dir, model_cache, policy
+from grpogate.files import cache_dir
+from grpogate.inputs import model_cache, policy
 
 CLEAN = bytes(range(256)) * 64
 SHA = "ab" * 32
