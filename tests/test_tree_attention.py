@@ -1,4 +1,4 @@
-"""The packed update's attention (training.tree_attention): SDPA's forward, the backward by
+"""The packed update's attention (engines/cpu/tree_attention.py): SDPA's forward, the backward by
 matrix products: a case by hand, gradcheck, bfloat16 against SDPA, and where it applies."""
 
 from __future__ import annotations

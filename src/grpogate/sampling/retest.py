@@ -126,19 +126,19 @@ class _LockstepDrift:
 
     def __init__(self, temperature: float):
         self.temperature, self.measured = temperature, False
-        self.baseline_stepper = None  # the baseline pass's stepper, on the baseline's weights
+        self.baseline_stepper = None  # a fresh stepper on the baseline pass's weights
 
     def baseline(self, stepper):
         if not getattr(stepper, "holds_weights", False):
             return stepper
-        self.baseline_stepper = stepper
+        self.baseline_stepper = stepper.fresh()  # the weights only: no cache held meanwhile
         return DriftStepper(stepper, self.temperature)
 
     def candidate(self, stepper):
         if self.baseline_stepper is None or not getattr(stepper, "holds_weights", False):
             return stepper
         self.measured = True
-        return DriftStepper(stepper, self.temperature, baseline=self.baseline_stepper.fresh())
+        return DriftStepper(stepper, self.temperature, baseline=self.baseline_stepper)
 
 
 def _gathered(world: World, mine: list[dict], positions: list[int], group_size: int) -> list[dict]:

@@ -8,7 +8,8 @@ backward by matrix products (lora_forward.py, fused_layers.py, tree_attention.py
 kernels (native.py, built by native_build.py from native_kernels.cpp) are optional: without
 them each piece runs its torch operations.
 
-This package imports nothing from the pipeline: only the engines' row layout and the cache
+This package imports nothing from the pipeline: only the engines' row layout, the reference
+engine's forwards (its fallback and the truth its probe compares with) and the cache
 directory's rules. Where a forward cannot take the lean path at the moment it runs (a forward
 hook, an active unmerged LoRA layer), the reference engine's forward runs instead.
 """
@@ -22,6 +23,7 @@ from grpogate.engines.cpu.decoding import LeanStepper
 from grpogate.engines.cpu.fused_layers import fused_norms_and_swiglu
 from grpogate.engines.cpu.lora_forward import base_dtype_lora
 from grpogate.engines.cpu.native import native_kernels
+from grpogate.engines.cpu.probe import probe_reason
 from grpogate.engines.cpu.scoring import LeanScorer
 from grpogate.engines.cpu.tree_attention import tree_attention
 from grpogate.engines.cpu.weights import lean_decoder
@@ -29,9 +31,10 @@ from grpogate.engines.reference import ModelScorer, ModelStepper
 
 
 def declines(model) -> str:
-    """Why the accelerator does not run `model` ("" where it does)."""
+    """Why the accelerator does not run `model` ("" where it does): its structure and
+    settings (capability.py), then, once per model, the probe of its mathematics (probe.py)."""
     decoder = describe(model)
-    return decoder if isinstance(decoder, str) else ""
+    return decoder if isinstance(decoder, str) else probe_reason(model)
 
 
 class CpuEngine:
@@ -64,8 +67,9 @@ class CpuEngine:
     @contextlib.contextmanager
     def update_forward(self, model):
         """The update's forwards inside this block run their LoRA layers in the base dtype and
-        their norms and MLPs on the native kernels, where each applies."""
-        with base_dtype_lora(model), fused_norms_and_swiglu(model):
+        (`native`) their norms and MLPs on the native kernels, where each applies."""
+        fused = fused_norms_and_swiglu(model) if self.native else contextlib.nullcontext()
+        with base_dtype_lora(model), fused:
             yield
 
     def packed_attention(self, model, segments):

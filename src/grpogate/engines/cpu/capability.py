@@ -8,12 +8,15 @@ and setting by setting, and returns either the modules the accelerator reads (`D
 decode forward reads their weights, its update patches replace their norms' and MLPs'
 forwards) or the first reason it declines, worded for the evidence ("sliding-window attention
 unsupported"). It declines too on a torch, transformers or PEFT version its private uses were
-not tested on (versions.py). Llama, Qwen2, Mistral without a sliding window and SmolLM2 match; Phi-3 (fused
-projections), Qwen3 (per-head q/k norms), Gemma (GELU, norms of another form) do not.
+not tested on (versions.py). What structure cannot show (RoPE applied to interleaved pairs, a
+norm of another rounding) the probe (probe.py) finds on the loaded model itself. Llama, Qwen2, Mistral without a sliding window and SmolLM2 match; Phi-3 (fused
+projections), Qwen3 (per-head q/k norms), Gemma (GELU, norms of another form), SmolLM3 (layers
+without RoPE) and Granite (its own attention scale) do not.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +27,14 @@ BLOCK_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"
 ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP_PARTS = {"gate_proj", "up_proj", "down_proj"}
 # Settings that change the mathematics of a block or the head in ways the accelerator does not
-# implement; a model that sets one to anything but "off" (None, 1) is declined.
+# implement; a model that sets one to anything but "off" (None, 1) is declined. (An attention
+# scale is read off the attention module itself, `_attention_reason`.)
 UNSUPPORTED_SETTINGS = ("attn_logit_softcapping", "final_logit_softcapping",
-                        "embedding_multiplier", "residual_multiplier", "attention_multiplier",
-                        "logits_scaling", "query_pre_attn_scalar")
+                        "embedding_multiplier", "residual_multiplier", "logits_scaling",
+                        "query_pre_attn_scalar", "partial_rotary_factor")
+# What the lean decoder reads from the config.
+REQUIRED_SETTINGS = ("num_attention_heads", "num_key_value_heads", "hidden_size",
+                     "intermediate_size", "rms_norm_eps")
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
@@ -76,15 +83,15 @@ def _is_silu(activation) -> bool:
     the config's `hidden_act` can say one thing while the module computes another)."""
     probe = torch.linspace(-4.0, 4.0, 9)
     try:
-        return bool(torch.allclose(activation(probe), torch.nn.functional.silu(probe)))
+        return bool(torch.allclose(activation(probe.clone()), torch.nn.functional.silu(probe)))
     except (TypeError, RuntimeError):
         return False
 
 
 def _config_reason(config) -> str:
-    activation = getattr(config, "hidden_act", None)
-    if activation != "silu":
-        return f"activation {activation!r} unsupported (SiLU-gated MLPs only)"
+    missing = [name for name in REQUIRED_SETTINGS if getattr(config, name, None) is None]
+    if missing:
+        return f"config without {', '.join(missing)} unsupported"
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
             getattr(config, "sliding_window", None) is not None
             and getattr(config, "use_sliding_window", True) is not False):
@@ -95,10 +102,26 @@ def _config_reason(config) -> str:
     return ""
 
 
+def _attention_reason(attention) -> str:
+    """What an attention module says of itself that the lean decoder does not implement."""
+    if not getattr(attention, "use_rope", True):
+        return "attention layers without RoPE unsupported"
+    if getattr(attention, "sliding_window", None) is not None:
+        return "sliding-window attention unsupported"
+    head_dim, scaling = getattr(attention, "head_dim", None), getattr(attention, "scaling", None)
+    if head_dim and scaling is not None and not math.isclose(scaling, head_dim ** -0.5,
+                                                             rel_tol=1e-6):
+        return "attention scale other than 1/sqrt(head_dim) unsupported"
+    return ""
+
+
 def _block_reason(block) -> str:
     parts = _children(block)
     if parts != BLOCK_PARTS:
         return f"decoder block of parts {sorted(parts)} unsupported (expects {sorted(BLOCK_PARTS)})"
+    reason = _attention_reason(block.self_attn)
+    if reason:
+        return reason
     attention = _children(block.self_attn)
     if not ATTENTION_PARTS <= attention:
         return "attention without separate q/k/v/o projections unsupported"

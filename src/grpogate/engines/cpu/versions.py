@@ -7,14 +7,14 @@ PEFT's `lora.Linear` attributes (`lora_A`, `lora_B`, `scaling`, `merged`, `use_d
 `lora_variant`). Any of them can change in a minor release without notice. The accelerator
 therefore runs only on the minor versions its contract suite passed on (`TESTED`); on any other
 the capability check declines with the version named, and the reference engine runs, which
-uses only public APIs. Adding a version means running tests/test_engine_contract.py (and the
+calls transformers' and PEFT's model interfaces only. Adding a version means running tests/test_engine_contract.py (and the
 accelerator's own tests) on it, then listing it here and in pyproject.toml's comment.
 """
 
 from __future__ import annotations
 
+import importlib
 from functools import lru_cache
-from importlib import metadata
 
 TESTED = {"torch": {(2, 13)}, "transformers": {(5, 25)}, "peft": {(0, 21)}}
 
@@ -27,13 +27,23 @@ def _minor(version: str) -> tuple[int, int] | None:
         return None
 
 
+def installed_version(library: str) -> str | None:
+    """The version of the module this process imports (not the installed metadata, which a
+    path entry can shadow); None for an absent PEFT."""
+    try:
+        return str(importlib.import_module(library).__version__)
+    except ImportError:
+        if library != "peft":
+            raise
+        return None
+
+
 @lru_cache(maxsize=1)
 def untested_versions() -> str:
     """"" where every library is a tested version, else the first that is not, as a reason."""
     for library, minors in TESTED.items():
-        try:
-            installed = metadata.version(library)
-        except metadata.PackageNotFoundError:
+        installed = installed_version(library)
+        if installed is None:
             continue  # PEFT absent: no LoRA layers to patch
         if _minor(installed) not in minors:
             tested = ", ".join(f"{a}.{b}" for a, b in sorted(minors))
