@@ -11,8 +11,8 @@ from grpogate.gates import Gates
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"
 
 # Chosen (before any training run) so that the bundled SmolLM2 baseline lands inside the
-# 10-60 % band where GRPO has signal: measured on the 48 default eval prompts x 4 samples,
-# the bare instruction at temperature 1.0 scored 0.089; this prompt at 0.7 scored 0.25.
+# 10-60 % band where GRPO has signal, which the bare instruction does not reach
+# (docs/measurements.md, "Figures moved from code comments").
 CHAIN_SUM_SYSTEM_PROMPT = (
     "You are a careful calculator. Reply with the result only, on one line of the form "
     "'Answer: <number>'. Example: for '2 + 3 =' reply 'Answer: 5'."
@@ -57,9 +57,9 @@ class GuardConfig:
     significantly worse there is `tune` (gates.maximum_guard_reward_loss). prompts = 0: off,
     and the evidence records it as off. The default guard is the trained task's arithmetic
     neighbour, products of two one-digit numbers, chosen because the bundled baseline scores
-    well above the floor there (a regression cannot show from near zero): measured on 64
-    prompts x 4 (bf16 CPU), products 0.42 (pass@4 0.83), chain_sum with 3 one-digit terms
-    0.06, basic_arithmetic 0.02.
+    well above the floor there (a regression cannot show from near zero), where the other
+    arithmetic neighbours score near it (docs/measurements.md, "Figures moved from code
+    comments").
     """
 
     prompts: int = 64
@@ -115,9 +115,9 @@ class RunConfig:
     top_k: int = 0  # keep the k most likely tokens; 0: off
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0: off
     # Rows decoded together (whole groups of G). A training step decodes prompts_per_step x G
-    # rows whatever this is; the re-test and the guard set decode up to this many at a time:
-    # measured on the default re-test (128 prompts x 4, bfloat16 kernels), 22.0 s per policy at
-    # 64 rows, 17.1 s at 128, 13.9-15.3 s at 256, for about 0.6 GB more KV cache.
+    # rows whatever this is; the re-test and the guard set decode up to this many at a time,
+    # faster at 256 than at 64 or 128 for a little more KV cache (docs/measurements.md,
+    # "Figures moved from code comments").
     generation_batch_size: int = 256
     # DAPO dynamic sampling: while a step has fewer valid groups than prompts_per_step, draw
     # the shortfall of new train prompts, up to max_generation_rounds rounds of generation.

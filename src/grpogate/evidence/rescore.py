@@ -33,8 +33,9 @@ from grpogate.inputs.rewards import (CORRECTNESS, TRL_SIGNATURE_SUFFIX, RewardSe
 from grpogate.inputs.verifiers import MATH_VERIFY
 
 # Typical seconds per re-scored record of the verifiers whose cost is worth saying: math-verify
-# scores in a sandboxed child (measured about 1 ms for a short boxed answer on a 2-core Xeon;
-# taken 10x for long completions), each call bounded by its time limit (the "at most"). Keyed
+# scores in a sandboxed child (about a millisecond for a short boxed answer, taken 10x for
+# long completions; docs/measurements.md, "Figures moved from code comments"), each call
+# bounded by its time limit (the "at most"). Keyed
 # by the verifier's name, which stays when its version moves.
 TYPICAL_SECONDS = {MATH_VERIFY: 0.01}
 ANNOUNCE_AFTER_SECONDS = 30.0  # a worst case past this is announced before the work starts

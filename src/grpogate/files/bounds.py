@@ -23,7 +23,7 @@ from grpogate.errors import InputError
 # run's largest file is 2.7 MB (trajectories.jsonl, 4096 records); a record grows about 25
 # bytes a completion token (text and logprob), so 1 GiB holds some 100,000 records of 384 full
 # tokens, 25x the default run's count at 8x its budget. Memory: an audit holds what it parsed,
-# measured 6.3x the bytes of a real trajectories.jsonl (about 6.5 GB at this cap).
+# several times the file's bytes (docs/measurements.md, "Figures moved from code comments").
 MAX_FILE_BYTES = 1 << 30
 # Lines of a JSONL file, counted before any is split off (a list entry of ~60 bytes even when
 # blank, a mismatch when not an object). A real record carries ids and versions (the default

@@ -9,8 +9,8 @@ killed by the kernel an hour later.
 The estimate is deliberately a floor, not a ceiling: it counts only the tensors whose size is
 known from the shapes (weights, KV cache, sampling logits, one micro-batch's logits and saved
 activations, the rollout's token bookkeeping), so a run it refuses cannot fit, and a run it
-admits may still need more (allocator slack, Python objects). Measured on the default run on
-the CPU (peak RSS 3.4 GiB) it estimates 2.4 GiB.
+admits may still need more (allocator slack, Python objects; the default run's peak against
+its estimate: docs/measurements.md, "Figures moved from code comments").
 """
 
 from __future__ import annotations

@@ -16,10 +16,8 @@ normalized text holds, so no match spans two rows) and each of the E eval prompt
 up with one `str.find`. CPython's find is linear in H for any needle (a Boyer-Moore-Horspool
 skip loop that falls back to the Two-Way algorithm when it stops skipping), so the whole check
 is O(E x H) character steps in C plus one bisect per eval prompt found, and it holds the
-haystack and one offset per row in memory. Measured on one core (random text over a ten-letter
-alphabet, where the skip loop skips least): 1,000 eval prompts against 10,000 rows (6.6 MB)
-take 5.3 s, 5,000 against 10,000 rows (11 MB) 35 s, about 0.8 ms per eval prompt per MB; the
-512 MiB bound on a --train-data file caps one lookup at about 0.4 s.
+haystack and one offset per row in memory; the 512 MiB bound on a --train-data file caps one
+lookup at well under a second (docs/measurements.md, "Figures moved from code comments").
 """
 
 from __future__ import annotations

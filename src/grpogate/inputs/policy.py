@@ -358,7 +358,7 @@ def sampling_weights(policy: Policy, baseline: bool = False):
     """Sample from the policy (or the baseline) with its LoRA delta merged into the weights.
 
     Unmerged LoRA costs two extra small matmuls and dtype casts in every linear layer of every
-    decode step (measured: about 9x slower decoding). Here each adapted layer gets a new weight
+    decode step, several times the decode's cost (docs/measurements.md, "Figures moved from code comments"). Here each adapted layer gets a new weight
     tensor W + scale * B @ A for the duration of sampling, the adapters are bypassed, and the
     original tensor objects are put back afterwards — the base weights are never modified in
     place, so they stay bit-identical (PEFT's merge/unmerge would add and subtract in place).
@@ -394,10 +394,9 @@ def sampling_weights(policy: Policy, baseline: bool = False):
 def _merged(module, adapter: str, weight: torch.Tensor) -> torch.Tensor:
     """A new tensor W + scale * B @ A, in W's dtype.
 
-    A plain LoRA linear is merged in one addmm in W's dtype (f32 accumulation), one pass over W:
-    measured on SmolLM2 in bfloat16, all 210 layers take 0.03 s against 0.09-0.13 s for PEFT's
-    float32 delta followed by a cast and an add, with the same largest error against a float64
-    merge. Anything else (DoRA, fan-in-fan-out, other layer kinds) goes through PEFT's own delta.
+    A plain LoRA linear is merged in one addmm in W's dtype (f32 accumulation), one pass over W,
+    faster than PEFT's float32 delta followed by a cast and an add and as close to a float64
+    merge (docs/measurements.md, "Figures moved from code comments"). Anything else (DoRA, fan-in-fan-out, other layer kinds) goes through PEFT's own delta.
     """
     from peft.tuners.lora import Linear
 
