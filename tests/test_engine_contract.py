@@ -279,3 +279,21 @@ def test_the_probe_passes_the_accepted_models_by_a_margin(kind, dtype):
 
     distance = probe_distance(sharp(model_of(kind)).to(dtype))
     assert distance < TOLERANCE.get(dtype, HALF_TOLERANCE) / 5
+
+
+def test_the_probe_leaves_every_adapter_layer_as_it_found_it():
+    """Sampling switches the adapters off around the decode (their deltas merged into the
+    weights); the probe, run inside, must leave them off, and after it, on. (PEFT 0.21's own
+    `disable_adapter()` restores them too; this holds whichever the probe uses.)"""
+    from peft import LoraConfig, get_peft_model
+
+    from grpogate.engines import adapters_disabled
+    from grpogate.engines.cpu.probe import probe_distance
+
+    model = get_peft_model(model_of("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    layers = [m for m in model.modules() if hasattr(m, "lora_A")]
+    with adapters_disabled(model):
+        assert probe_distance(model) < 1e-3
+        assert all(layer.disable_adapters for layer in layers)
+    assert probe_distance(model) < 1e-3
+    assert not any(layer.disable_adapters for layer in layers)

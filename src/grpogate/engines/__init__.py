@@ -31,11 +31,13 @@ from typing import Protocol
 
 import torch
 
+from grpogate.engines.adapters import adapters_disabled
 from grpogate.engines.cpu import CpuEngine, declines
 from grpogate.engines.cpu.native import NativeKernels, kernels_identity, native_kernels
 from grpogate.engines.reference import ReferenceEngine
 
-__all__ = ["Engine", "Scorer", "Stepper", "engine_for", "kernels_identity", "row_kernels"]
+__all__ = ["Engine", "Scorer", "Stepper", "adapters_disabled", "engine_for", "kernels_identity",
+           "row_kernels"]
 
 
 class Stepper(Protocol):

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from grpogate.config import BUNDLED_MODEL, RunConfig
 from grpogate.errors import InputError, first_line
 from grpogate.config.adapter_patterns import check_module_patterns, lora_targets
+from grpogate.engines import adapters_disabled
 from grpogate.files.cache_dir import cache_root, use_cache_dir
 from grpogate.inputs.model_cache import dequantized_cache, directory_weights_sha256
 from grpogate.files import (ADAPTER_WEIGHTS, policy_version, read_safetensors,  # noqa: F401
@@ -332,25 +333,6 @@ def reference_mode(policy: Policy):
     finally:
         policy.model.set_adapter(TRAINABLE)
         _freeze_all_but_trainable(policy.model)  # set_adapter may flip requires_grad
-
-
-@contextlib.contextmanager
-def adapters_disabled(model):
-    """PEFT's `disable_adapter()` for LoRA (the base model's outputs inside the block, each
-    adapter layer's state and requires_grad restored after), without the model status PEFT
-    assembles on every call: a quarter of its cost, once per reference forward and sampling."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper
-
-    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
-    disabled = [layer.disable_adapters for layer in layers]
-    try:
-        for layer in layers:
-            layer.enable_adapters(False)
-        yield
-    finally:
-        for layer, was in zip(layers, disabled):
-            layer.enable_adapters(not was)
 
 
 @contextlib.contextmanager

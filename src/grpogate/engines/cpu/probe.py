@@ -10,11 +10,11 @@ the accelerator declines a model whose logits differ by more than bfloat16 round
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
 
+from grpogate.engines.adapters import adapters_disabled
 from grpogate.engines.cpu.capability import base_model
 from grpogate.engines.cpu.scoring import LeanScorer
 from grpogate.engines.cpu.weights import lean_decoder
@@ -52,9 +52,7 @@ def probe_distance(model) -> float | None:
     vocab = base_model(model).config.vocab_size
     ids = [(11 * i + 5) % vocab for i in range(PROBE_TOKENS)]
     prompt, completion = ids[:4], ids[4:]
-    adapters_off = (model.disable_adapter() if hasattr(model, "disable_adapter")
-                    else contextlib.nullcontext())
-    with adapters_off:
+    with adapters_disabled(model):
         decoder = lean_decoder(model, pack=False)
         if decoder is None:
             return None
