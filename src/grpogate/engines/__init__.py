@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 
 from grpogate.engines.adapters import adapters_disabled
-from grpogate.engines.cpu import CpuEngine, declines
+from grpogate.engines.cpu import CpuEngine, accepts
 from grpogate.engines.cpu.native import NativeKernels, kernels_identity, native_kernels
 from grpogate.engines.reference import ReferenceEngine
 
@@ -94,11 +94,11 @@ class Engine(Protocol):
 def engine_for(model) -> Engine:
     """The accelerator where its capability check accepts `model`, else the reference (said
     once on the terminal per reason)."""
-    reason = declines(model)
-    if not reason:
-        return CpuEngine()
-    _say(f"cpu accelerator: {reason}")
-    return ReferenceEngine(f"cpu accelerator: {reason}")
+    found = accepts(model)
+    if not isinstance(found, str):
+        return CpuEngine(found)
+    _say(f"cpu accelerator: {found}")
+    return ReferenceEngine(f"cpu accelerator: {found}")
 
 
 @lru_cache(maxsize=16)

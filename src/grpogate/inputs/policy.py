@@ -340,10 +340,11 @@ def sampling_weights(policy: Policy, baseline: bool = False):
     """Sample from the policy (or the baseline) with its LoRA delta merged into the weights.
 
     Unmerged LoRA costs two extra small matmuls and dtype casts in every linear layer of every
-    decode step, several times the decode's cost (docs/measurements.md, "Figures moved from code comments"). Here each adapted layer gets a new weight
-    tensor W + scale * B @ A for the duration of sampling, the adapters are bypassed, and the
-    original tensor objects are put back afterwards — the base weights are never modified in
-    place, so they stay bit-identical (PEFT's merge/unmerge would add and subtract in place).
+    decode step, several times the decode's cost (docs/measurements.md, "Figures moved from
+    code comments"). Here each adapted layer gets a new weight tensor W + scale * B @ A for the
+    duration of sampling, the adapters are bypassed, and the original tensor objects are put
+    back afterwards — the base weights are never modified in place, so they stay bit-identical
+    (PEFT's merge/unmerge would add and subtract in place).
     A full-weight candidate (`policy.full_weights`) swaps in every base tensor the same way.
     """
     from peft.tuners.lora import LoraLayer
@@ -378,7 +379,8 @@ def _merged(module, adapter: str, weight: torch.Tensor) -> torch.Tensor:
 
     A plain LoRA linear is merged in one addmm in W's dtype (f32 accumulation), one pass over W,
     faster than PEFT's float32 delta followed by a cast and an add and as close to a float64
-    merge (docs/measurements.md, "Figures moved from code comments"). Anything else (DoRA, fan-in-fan-out, other layer kinds) goes through PEFT's own delta.
+    merge (docs/measurements.md, "Figures moved from code comments"). Anything else (DoRA,
+    fan-in-fan-out, other layer kinds) goes through PEFT's own delta.
     """
     from peft.tuners.lora import Linear
 

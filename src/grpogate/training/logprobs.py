@@ -296,17 +296,18 @@ def _segments(shared: int, starts: list[int], length: int, device) -> tuple:
 
 
 def packed_logprobs(model, packed: PackedRow, temperature: float, chunk: int = 64,
-                    entropy: list | None = None) -> torch.Tensor:
+                    entropy: list | None = None, engine=None) -> torch.Tensor:
     """Log-probs [N, T] of the completions (0 on padding), from one forward of `packed`'s row.
 
     The mask goes to the model as a 4D additive float mask, which transformers passes to the
     attention unchanged (eager and SDPA alike); with SDPA, `tree_attention` takes the call.
-    `entropy`: see `token_logprobs`, [N, T] too.
+    `entropy`: see `token_logprobs`, [N, T] too. `engine`: the model's (default `engine_for`).
     """
+    engine = engine or engine_for(model)
     dtype = next(model.parameters()).dtype
     mask = torch.zeros(packed.allowed.shape, dtype=dtype, device=packed.allowed.device)
     mask = mask.masked_fill(~packed.allowed, torch.finfo(dtype).min)[None, None]  # [1, 1, L, L]
-    with engine_for(model).packed_attention(model, packed.segments):
+    with engine.packed_attention(model, packed.segments):
         logits = model(input_ids=packed.input_ids, attention_mask=mask,
                        position_ids=packed.position_ids, use_cache=False,
                        logits_to_keep=packed.logit_positions).logits  # [1, U, V]
@@ -327,7 +328,8 @@ def micro_batch_logprobs(model, packed: PackedGroups | PackedRow, per_prompt: in
     """Log-probs [N, T] of a micro-batch in either layout (`batching.pack_rows` chooses), the
     forwards inside the engine's `update_forward` (the accelerator's: LoRA layers in the
     base's dtype, RMSNorms and SwiGLUs on the native kernels, where each applies)."""
-    with engine_for(model).update_forward(model):
+    engine = engine_for(model)
+    with engine.update_forward(model):
         if isinstance(packed, PackedRow):
-            return packed_logprobs(model, packed, temperature, entropy=entropy)
+            return packed_logprobs(model, packed, temperature, entropy=entropy, engine=engine)
         return shared_prompt_logprobs(model, packed, per_prompt, temperature, entropy=entropy)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 
-from grpogate.engines.cpu.capability import describe
+from grpogate.engines.cpu.capability import Decoder, describe
 from grpogate.engines.cpu.decoding import LeanStepper
 from grpogate.engines.cpu.fused_layers import fused_norms_and_swiglu
 from grpogate.engines.cpu.lora_forward import base_dtype_lora
@@ -30,11 +30,17 @@ from grpogate.engines.cpu.weights import lean_decoder
 from grpogate.engines.reference import ModelScorer, ModelStepper
 
 
-def declines(model) -> str:
-    """Why the accelerator does not run `model` ("" where it does): its structure and
+def accepts(model) -> Decoder | str:
+    """`model`'s description where the accelerator runs it, else why not: its structure and
     settings (capability.py), then, once per model, the probe of its mathematics (probe.py)."""
     decoder = describe(model)
-    return decoder if isinstance(decoder, str) else probe_reason(model)
+    return decoder if isinstance(decoder, str) else probe_reason(model) or decoder
+
+
+def declines(model) -> str:
+    """Why the accelerator does not run `model` ("" where it does)."""
+    found = accepts(model)
+    return found if isinstance(found, str) else ""
 
 
 class CpuEngine:
@@ -43,13 +49,16 @@ class CpuEngine:
     name = "cpu"
     declined = ""
 
-    def __init__(self, lean: bool = True, pack: bool = True, native: bool = True):
-        self.lean, self.pack, self.native = lean, pack, native  # the bench turns pieces off
+    def __init__(self, described: Decoder | None = None, lean: bool = True, pack: bool = True,
+                 native: bool = True):
+        # `described`: the model's description from `accepts` (else each use describes it);
+        # the bench turns pieces off
+        self.described, self.lean, self.pack, self.native = described, lean, pack, native
 
     def stepper(self, model):
         """The lean decoder on the model's weights as they are now (with the native decode step
         where it builds and covers the attention shape), else the model's forward."""
-        decoder = lean_decoder(model, self.pack) if self.lean else None
+        decoder = lean_decoder(model, self.pack, self.described) if self.lean else None
         if decoder is None:
             return ModelStepper(model)
         kernels = native_kernels(decoder.embed.dtype, decoder.embed.device) if self.native else None
@@ -61,14 +70,15 @@ class CpuEngine:
     def scorer(self, model, prefix: list[int]):
         """The lean scorer on the model's weights as they are now (it keeps its own copies,
         `prefix` forwarded once), else the model's forward."""
-        decoder = lean_decoder(model)
+        decoder = lean_decoder(model, described=self.described)
         return ModelScorer(model) if decoder is None else LeanScorer(decoder, prefix)
 
     @contextlib.contextmanager
     def update_forward(self, model):
         """The update's forwards inside this block run their LoRA layers in the base dtype and
         (`native`) their norms and MLPs on the native kernels, where each applies."""
-        fused = fused_norms_and_swiglu(model) if self.native else contextlib.nullcontext()
+        fused = (fused_norms_and_swiglu(model, self.described) if self.native
+                 else contextlib.nullcontext())
         with base_dtype_lora(model), fused:
             yield
 
@@ -78,4 +88,4 @@ class CpuEngine:
         return tree_attention(model, segments)
 
     def identity(self) -> dict:
-        return {"name": self.name, "declined": ""}
+        return {"name": self.name, "declined": self.declined}

@@ -9,9 +9,10 @@ decode forward reads their weights, its update patches replace their norms' and 
 forwards) or the first reason it declines, worded for the evidence ("sliding-window attention
 unsupported"). It declines too on a torch, transformers or PEFT version its private uses were
 not tested on (versions.py). What structure cannot show (RoPE applied to interleaved pairs, a
-norm of another rounding) the probe (probe.py) finds on the loaded model itself. Llama, Qwen2, Mistral without a sliding window and SmolLM2 match; Phi-3 (fused
-projections), Qwen3 (per-head q/k norms), Gemma (GELU, norms of another form), SmolLM3 (layers
-without RoPE) and Granite (its own attention scale) do not.
+norm of another rounding) the probe (probe.py) finds on the loaded model itself. Llama,
+Qwen2, Mistral without a sliding window and SmolLM2 match; Phi-3 (fused projections), Qwen3
+(per-head q/k norms), Gemma (GELU, norms of another form), SmolLM3 (layers without RoPE) and
+Granite (its own attention scale) do not.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from grpogate.engines.cpu.capability import describe
+from grpogate.engines.cpu.capability import Decoder, describe
 from grpogate.engines.cpu.lora_forward import forwards_replaced
 from grpogate.engines.cpu.native import NativeKernels, native_kernels
 
@@ -81,13 +81,16 @@ def _mlp_forward(module, transformers_forward, kernels, x: torch.Tensor) -> torc
 
 
 @contextlib.contextmanager
-def fused_norms_and_swiglu(model):
+def fused_norms_and_swiglu(model, described: Decoder | None = None):
     """Inside this block, the RMSNorms and SiLU MLPs of a model the accelerator supports
-    (`capability.describe`) run the native kernels (see above) where they build for the
-    model's dtype on a CPU; elsewhere a no-op."""
+    (`capability.describe`, or `described` where the caller has the description) run the
+    native kernels (see above) where they build for the model's dtype on a CPU; elsewhere a
+    no-op."""
     parameter = next(model.parameters())
     kernels = native_kernels(parameter.dtype, parameter.device)
-    decoder = describe(model) if kernels is not None else "no native kernels"
+    decoder = "no native kernels"
+    if kernels is not None:
+        decoder = describe(model) if described is None else described
     replacements = []
     if not isinstance(decoder, str):
         replacements = [(module, functools.partial(forward, module, module.forward, kernels))

@@ -7,8 +7,9 @@ PEFT's `lora.Linear` attributes (`lora_A`, `lora_B`, `scaling`, `merged`, `use_d
 `lora_variant`). Any of them can change in a minor release without notice. The accelerator
 therefore runs only on the minor versions its contract suite passed on (`TESTED`); on any other
 the capability check declines with the version named, and the reference engine runs, which
-calls transformers' and PEFT's model interfaces only. Adding a version means running tests/test_engine_contract.py (and the
-accelerator's own tests) on it, then listing it here and in pyproject.toml's comment.
+calls transformers' and PEFT's model interfaces only. Adding a version means running
+tests/test_engine_contract.py (and the accelerator's own tests) on it, then listing it here
+and in pyproject.toml's comment.
 """
 
 from __future__ import annotations

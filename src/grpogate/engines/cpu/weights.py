@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpogate.engines.cpu.capability import describe
+from grpogate.engines.cpu.capability import Decoder, describe
 
 
 def bf16_kernels_available() -> bool:
@@ -111,14 +111,16 @@ def _fuse(parts: list[tuple[torch.Tensor, torch.Tensor | None]]):
     return weight, bias
 
 
-def lean_decoder(model, pack: bool = True) -> LeanDecoder | None:
+def lean_decoder(model, pack: bool = True,
+                 described: Decoder | None = None) -> LeanDecoder | None:
     """The model's current weights, fused for decoding, or None where this path does not apply:
     a model `capability.describe` declines, a forward hook (it changes what a module returns;
     only the model's own forward runs it), or an active, unmerged LoRA layer.
 
     With `pack`, weights `can_prepack` are prepacked (a copy: the model's tensors are untouched).
+    `described`: the model's description where the caller has it (the engine that accepted it).
     """
-    decoder = describe(model)
+    decoder = describe(model) if described is None else described
     if isinstance(decoder, str):
         return None
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
