@@ -23,9 +23,9 @@ from grpogate.engines.reference import teacher_forced_logits
 PROBE_TOKENS = 12
 # Relative L2 distance of the lean logits from the model's above which the accelerator
 # declines, by the model's dtype: the two forwards round their sums in different orders, a few
-# float32 ulps or a few bfloat16 steps (docs/measurements.md, "The engines' probe"); a forward
-# of other mathematics (interleaved RoPE under attention that depends on position) lands
-# near 0.5.
+# float32 ulps or a few bfloat16 steps, while a forward of other mathematics (interleaved RoPE
+# under attention that depends on position) lands far above (docs/measurements.md, "The
+# engines' probe").
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}
 HALF_TOLERANCE = 0.05  # bfloat16, float16
 _RESULTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
