@@ -168,8 +168,8 @@ def record_row(name: str, settings: dict, evidence: dict, wall_seconds: float) -
                    **_interval(paired, "reward_mean_gain"),
                    "sign_test_p": ((paired.get("reward_mean_gain") or {}).get("sign_test")
                                    or {}).get("p_value"),
-                   "gain_test_p": ((paired.get("reward_mean_gain") or {}).get("gain_test")
-                                   or {}).get("p_value")},
+                   "gain_lower_bound": ((paired.get("reward_mean_gain") or {}).get("gain_test")
+                                        or {}).get("bound")},
         "pass_at_group": {"baseline": baseline["pass_at_group"],
                           "candidate": candidate["pass_at_group"],
                           "gain": comparison["pass_at_group_gain"],

@@ -131,21 +131,22 @@ def _bernoulli_retest(rng, rates, gain, prompts, group):
 
 
 def test_the_gain_test_false_passes_at_most_its_level_and_the_interval_covers():
-    """Candidate as good as the baseline: the reward gate's test (retest_checks.gain_test, the
-    gate's own) passes at most 2.5 % + 4 SE. True gain +0.10 (every rate shifted, none clipped):
-    the recorded 95 % paired bootstrap interval covers it 95 % +- 4 SE of the time."""
+    """Candidate as good as the baseline: the reward gate's test (anytime.betting_test on the
+    per-prompt differences the gate reads, retest_checks.section_deltas) passes at most 2.5 %
+    + 4 SE. True gain +0.10 (every rate shifted, none clipped): the recorded 95 % paired
+    bootstrap interval covers it 95 % +- 4 SE of the time."""
+    from grpogate.evidence.anytime import SIGNIFICANCE_LEVEL, betting_test
     from grpogate.evidence.metrics import paired_bootstrap
-    from grpogate.evidence.retest_checks import gain_test
-    from grpogate.evidence.significance import SIGNIFICANCE_LEVEL, significant
+    from grpogate.evidence.retest_checks import section_deltas
 
     rng = np.random.default_rng(3)
     rates = rng.uniform(0.1, 0.8, size=400)  # +0.10 never leaves [0, 1]
     draws, passes = 600, 0
     for _ in range(draws):
         sides = _bernoulli_retest(rng, rates, 0.0, 64, 4)
-        test = gain_test({"baseline": sides["baseline"], "candidate": sides["candidate"]},
-                         "reward_mean_gain", 0.0)
-        passes += significant(test)
+        deltas = section_deltas({"baseline": sides["baseline"], "candidate": sides["candidate"]},
+                                "reward_mean_gain")
+        passes += betting_test(deltas, 0.0)["rejected"]
     assert passes / draws <= SIGNIFICANCE_LEVEL + _tolerance(SIGNIFICANCE_LEVEL, draws)
     draws, covered, true_gain = 300, 0, 0.10
     for _ in range(draws):

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from grpogate.evidence.anytime import confidence_bound
 from conftest import TINY_SIZES
 from synthetic_run import write_synthetic_run
 
@@ -64,9 +66,9 @@ def test_record_row_reads_the_evidence_numbers(tmp_path):
     row = default_search.record_row("c", {"learning_rate": 1e-4}, evidence, 12.5)
     assert row["reward"] == {"baseline": 0.125, "candidate": 0.5, "gain": 0.375, "low": 0.25,
                              "high": 0.5, "sign_test_p": row["reward"]["sign_test_p"],
-                             "gain_test_p": 0.25}
+                             "gain_lower_bound": confidence_bound([0.5, 0.25])}
     # Both prompts improve: a two-sided sign test on 2 of 2 gives p = 2 x (1/2)^2 = 0.5; the
-    # one-sided sign-flip gain test, (1/2)^2 = 0.25.
+    # anytime-valid lower bound of two prompts stays far below 0 (test_significant_gain).
     assert row["reward"]["sign_test_p"] == pytest.approx(0.5)
     assert row["pass_at_group"] == {"baseline": 0.5, "candidate": 1.0, "gain": 0.5, "low": 0.0,
                                     "high": 1.0}
@@ -201,7 +203,7 @@ def test_transfer_check_pairs_baseline_and_adapter_on_unseen_problems(tiny_confi
     # while drawing, so the set differs from the plain seed-1 set and holds none of them.
     at_train_seed = transfer_check.transfer(run_dir, 1, transfer_check.NEIGHBOUR, None)
     train_seed = dataclasses.replace(config.task, eval_seed=1)
-    plain = load_eval_set(train_seed, 4)[0]
+    plain = load_eval_set(dataclasses.replace(train_seed, eval_pool=0), 4)[0]
     assert {p.prompt_id for p in plain} & trained  # the plain set would overlap
     skipped = load_eval_set(train_seed, 4, exclude_ids=trained)
     assert not {p.prompt_id for p in skipped[0]} & trained

@@ -80,42 +80,48 @@ def _row(evidence: dict, gates: dict, name: str) -> dict:
 
 
 def _guard(deltas: list[float], point: float) -> dict:
-    """A guard section whose baseline scores 0.5 on every prompt and whose candidate adds
-    `deltas`, with the recorded point estimate `point`."""
-    base = [{"prompt_id": f"g{i}", "mean_reward": 0.5} for i in range(len(deltas))]
-    cand = [{"prompt_id": f"g{i}", "mean_reward": 0.5 + d} for i, d in enumerate(deltas)]
+    """A guard section whose paired sample differences are `deltas`, with the recorded point
+    estimate `point`, beside a one-prompt eval comparison (the rule walks both sets)."""
+    same = [{"prompt_id": "e0", "mean_reward": 0.5, "passed": True}]
     return {"guard": {"enabled": True, "reward_mean_gain": point,
-                      "baseline": {"per_prompt": base}, "candidate": {"per_prompt": cand},
-                      "paired": {"reward_mean_gain": {"low": -0.5, "high": 0.0}}}}
+                      "sample_differences": list(deltas)},
+            "comparison": {"baseline": {"per_prompt": same}, "candidate": {"per_prompt": same}}}
 
 
-def test_guard_rule_reads_the_test_or_the_point_estimate():
-    significant = {"maximum_guard_reward_loss": 0.0, "require_significant_gain": True}
-    # Six of eight prompts lose 0.5: under "no loss" each sign is a fair coin, so all six
-    # negative has p = 1/2^6 = 1/64 = 0.015625 <= 0.025: significantly worse, fails.
-    six = _row(_guard([-0.5] * 6 + [0.0] * 2, -0.375), significant, "guard")
-    assert (six["value"], six["passed"]) == (1 / 64, False)
-    assert six["threshold"] == "p > 0.025 (H0: guard gain >= 0)"
-    # Four of eight: p = 1/16 = 0.0625, not resolved; the guard passes.
-    four = _row(_guard([-0.5] * 4 + [0.0] * 4, -0.25), significant, "guard")
-    assert (four["value"], four["passed"]) == (1 / 16, True)
-    # A tolerated loss of 0.25: the test flips x = delta + 0.25 = -0.25 x 6, +0.25 x 2, all of
-    # one magnitude, so it counts signs: the observed loss side has 6 of 8, and P(X >= 6 |
-    # Binomial(8, 1/2)) = (C(8,6) + C(8,7) + C(8,8)) / 2^8 = (28 + 8 + 1) / 256 = 37/256.
-    tolerant = _row(_guard([-0.5] * 6 + [0.0] * 2, -0.375),
-                    significant | {"maximum_guard_reward_loss": 0.25}, "guard")
-    assert (tolerant["value"], tolerant["passed"]) == (37 / 256, True)
-    # Point-estimate rule: -0.375 < -0.0 fails.
-    point = {"maximum_guard_reward_loss": 0.0, "require_significant_gain": False}
-    evidence = _guard([-0.5] * 6 + [0.0] * 2, -0.375)
-    assert _row(evidence, point, "guard")["value"] == -0.375
-    assert _row(evidence, point, "guard")["passed"] is False
+def test_guard_rule_shows_non_inferiority_or_reads_the_point_estimate():
+    significant = {"maximum_guard_reward_loss": 0.05, "require_significant_gain": True,
+                   "minimum_reward_gain": 0.0, "minimum_pass_at_group_gain": 0.0}
+    # No difference in any paired sample: on the unit scale x = 0.5 against m0 = (1 - 0.05) / 2
+    # = 0.475, each stake c multiplies by 1 - c + c 0.5 / 0.475 = 1 + c / 19. The largest stake
+    # (0.9) gives (1 + 0.9 / 19)^n / 16 at least: 200 samples reach 16,600 / 16 > 40 (shown),
+    # 100 samples reach at most mean (1 + c / 19)^100 = 6.4 < 40 (not shown: no loss seen is not
+    # enough).
+    assert (1 + 0.9 / 19) ** 200 / 16 > 40
+    assert sum((1 + 0.9 * 2 ** (-k / 2) / 19) ** 100 for k in range(16)) / 16 < 40
+    shown = _row(_guard([0.0] * 200, 0.0), significant, "guard")
+    assert shown["passed"] is True and shown["test"]["status"] == "shown"
+    assert shown["threshold"] == "lower bound > -0.05" and -0.05 < shown["value"] < 0
+    unseen = _row(_guard([0.0] * 100, 0.0), significant, "guard")
+    assert unseen["passed"] is False and unseen["test"]["status"] == "open"
+    assert unseen["value"] < -0.05
+    # Fifteen samples each losing 1: on the flipped side x = 1 against 1 - 0.475 = 0.525, so
+    # each stake multiplies by 1 - c + c / 0.525; the largest alone gives 1.8143^15 / 16 = 474
+    # (ten would give 24 < 40): a loss beyond the margin is shown, the row fails as ruled out.
+    assert (1 - 0.9 + 0.9 / 0.525) ** 15 / 16 > 40
+    lost = _row(_guard([-1.0] * 15, -1.0), significant, "guard")
+    assert lost["passed"] is False and lost["test"]["status"] == "ruled_out"
+    # Point-estimate rule: -0.375 < -0.05 fails, -0.04 passes.
+    point = {"maximum_guard_reward_loss": 0.05, "require_significant_gain": False}
+    assert _row(_guard([-0.5] * 8, -0.375), point, "guard")["value"] == -0.375
+    assert _row(_guard([-0.5] * 8, -0.375), point, "guard")["passed"] is False
+    assert _row(_guard([0.0] * 8, -0.04), point, "guard")["passed"] is True
     # Off is recorded as off and passes; gates without the guard gate (older runs): no row.
     assert _row({"guard": {"enabled": False}}, significant, "guard")["value"] == "off"
+    evidence = _guard([0.0] * 8, 0.0)
     assert "guard" not in [r["name"] for r in decisions.decide_run(evidence, {})["checks"]]
     # Missing or junk guard numbers never pass.
-    for junk in ({}, {"guard": {"enabled": True}}, {"guard": {"enabled": True, "paired": {
-            "reward_mean_gain": {"high": float("nan")}}}}):
+    for junk in ({}, {"guard": {"enabled": True}}, _guard([float("nan")] * 300, 0.0),
+                 _guard([2.0] * 300, 0.0), _guard(["1"] * 300, 0.0)):
         assert _row(junk, significant, "guard")["passed"] is False
 
 
@@ -148,8 +154,11 @@ def test_a_candidate_worse_on_the_guard_ends_tune_naming_the_gate(tmp_path):
     assert evidence["decision"]["decision"] == "tune"
     assert evidence["decision"]["failed_checks"] == ["guard"]
     row = _row(evidence, evidence["config"]["gates"], "guard")
-    assert (row["value"], row["threshold"]) == (-0.5, -0.0)
-    assert evidence["guard"]["rule"].startswith("tune when the candidate is worse")
+    assert (row["value"], row["threshold"]) == (-0.5, -0.05)
+    assert evidence["guard"]["rule"].startswith("non-inferiority")
+    # 4 problems x 2 samples, one round: the paired sample differences, baseline order.
+    assert evidence["guard"]["sample_differences"] == [0, -1, -1, 0, 0, -1, -1, 0]
+    assert evidence["guard"]["rounds"] == 1
     audit = audit_run(run_dir)
     assert audit["mismatches"] == [] and audit["agrees"] and audit["decision"] == "tune"
 
@@ -263,7 +272,12 @@ def test_guard_prompts_are_disjoint_from_train_and_eval():
 
 def test_guard_config_keys_and_their_bounds():
     config = load_config("default")
-    assert (config.guard.prompts, config.guard.task) == (64, "products")
+    assert (config.guard.prompts, config.guard.task) == (100, "products")
+    assert (config.guard.group_size, config.guard.rounds) == (2, 16)
+    with pytest.raises(InputError, match="guard.rounds must be >= 1"):
+        load_config("default", overrides=["guard.rounds=0"])
+    with pytest.raises(InputError, match="maximum_guard_reward_loss must be in \\(0, 1\\)"):
+        load_config("default", overrides=["gates.maximum_guard_reward_loss=0"])
     assert load_config("default", overrides=["guard.prompts=0"]).guard.enabled is False
     assert load_config("gsm8k_qwen05b").guard.enabled is False
     with pytest.raises(InputError, match="guard.prompts must be >= 0"):

@@ -220,7 +220,7 @@ def test_the_report_states_the_gain_rule_and_the_smoke_profile_s_purpose(run_dir
     evidence = json.loads((run_dir / "evidence.json").read_text())
     evidence["config"]["gates"]["require_significant_gain"] = True
     page = gates_section(evidence)
-    assert "one-sided paired sign-flip test rejects" in page
+    assert "anytime-valid one-sided test shows" in page
     assert "pipeline check" not in page  # the synthetic profile has no note
     evidence["config"]["profile"] = "smoke"
     evidence["config"]["gates"]["require_significant_gain"] = False

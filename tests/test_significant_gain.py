@@ -1,7 +1,7 @@
 """The `require_significant_gain` gate: on in the default profile (docs/design.md §6: `accept` on the
 default means a gain its re-test resolves), off in the reference profile and in a gates table that
 does not name it (the published gates keep their meaning); on, the reward and pass_at_group
-checks pass only when the paired sign-flip test (evidence/significance.py) rejects "gain <=
+checks pass only when the anytime-valid betting test (evidence/anytime.py) shows "gain >
 minimum" at 2.5 %. A candidate whose re-test equals the baseline's is rejected under either rule.
 The run's output, `decide` and the report say which rule decided."""
 
@@ -16,7 +16,8 @@ from grpogate.evidence.audit import audit_run
 from grpogate.config import Gates, load_config
 from grpogate.evidence.decisions import (decide_run, evaluate_grpo_candidate, gain_rule,
                                          gain_rule_line, validate_gates)
-from grpogate.evidence.significance import sign_flip_test, significant
+from grpogate.evidence.anytime import betting_test, confidence_bound, resolvable_difference
+from grpogate.evidence.retest_checks import SEQUENTIAL_RULE
 from grpogate.errors import InputError
 
 SHA = "0123456789abcdef" * 4
@@ -34,7 +35,7 @@ def per_prompt(rewards: list[float], passed: list[bool]) -> list[dict]:
 def evidence(reward_deltas=(0.25,) * 4 + (0.0,) * 4, pass_deltas=(1,) * 4 + (0,) * 4,
              paired=True, identical=0):
     """docs/design.md §5's reference case (eligible) with per-prompt re-test records: the
-    baseline scores 0.25 and fails on every prompt, the candidate adds the deltas given."""
+    baseline scores 0 and fails on every prompt, the candidate adds the deltas given."""
     n = len(reward_deltas)
     document = {
         "status": "ok", "contract": {"admitted": True, "failed_checks": []},
@@ -44,9 +45,9 @@ def evidence(reward_deltas=(0.25,) * 4 + (0.0,) * 4, pass_deltas=(1,) * 4 + (0,)
         "update": {"update_count": 2, "update_seconds": 2.0},
         "comparison": {"reward_mean_gain": 0.1, "pass_at_group_gain": 0.1,
                        "baseline": {"max_length_hit_ratio": 0.02,
-                                    "per_prompt": per_prompt([0.25] * n, [False] * n)},
+                                    "per_prompt": per_prompt([0.0] * n, [False] * n)},
                        "candidate": {"max_length_hit_ratio": 0.08, "per_prompt": per_prompt(
-                           [0.25 + d for d in reward_deltas], [p > 0 for p in pass_deltas])},
+                           list(reward_deltas), [p > 0 for p in pass_deltas])},
                        "identical_completions": {"pairs": 4 * n, "identical": identical},
                        "drift": {"kl_to_baseline": 0.1}},
         "guard": {"enabled": False},  # the guard and KL gates pass: these tests are the gains'
@@ -82,30 +83,29 @@ def test_the_default_profile_requires_significance_and_spec_5_does_not():
     assert load_config("smoke").gates.require_significant_gain is True
     spec = load_config("gsm8k_qwen05b")
     assert spec.gates.require_significant_gain is False
-    # The same evidence (4 of 8 prompts better, p = 1/16 > 0.025) under each profile's gates.
+    # The same evidence (4 of 8 prompts better by 0.25) under each profile's gates.
     default_gates = dataclasses.asdict(load_config("default").gates)
     spec_gates = dataclasses.asdict(spec.gates)
     assert decide_run(evidence(), default_gates)["failed_checks"] == ["reward", "pass_at_group"]
     assert decide_run(evidence(), spec_gates)["decision"] == "accept"
-    assert gain_rule(default_gates) == "paired sign-flip test"
+    assert gain_rule(default_gates) == SEQUENTIAL_RULE
     assert "require_significant_gain = true" in gain_rule_line(default_gates)
     assert "accepts a candidate whose gain is zero" in gain_rule_line(spec_gates)
 
 
-def test_four_of_four_differing_prompts_do_not_pass_six_of_six_do():
-    """Under no gain each differing prompt's sign is a fair coin: 4 of 4 in the candidate's
-    favour have probability 1/2^4 = 1/16 = 0.0625 > 0.025 (not significant), 6 of 6 have
-    1/2^6 = 1/64 = 0.015625 <= 0.025 (significant). Zero differences carry no sign."""
-    four = decide_run(evidence(), SIGNIFICANT)
-    assert rows(four)["reward"]["value"] == 1 / 16
-    assert rows(four)["reward"]["test"]["differing_prompts"] == 4
-    assert rows(four)["reward"]["test"]["exact"] is True
-    assert four["failed_checks"] == ["reward", "pass_at_group"]
-    six = decide_run(evidence((0.25,) * 6 + (0.0,) * 2, (1,) * 6 + (0,) * 2), SIGNIFICANT)
-    assert rows(six)["reward"]["value"] == 1 / 64
-    assert rows(six)["pass_at_group"]["value"] == 1 / 64
-    assert six["decision"] == "accept"
-    assert rows(six)["reward"]["test"]["interval_95"] == [-0.05, 0.3]
+def test_ten_full_gains_pass_nine_do_not():
+    """Every prompt gains 1: on the unit scale x = 1 against m0 = 0.5 each stake c multiplies
+    the capital by 1 - c + c / 0.5 = 1 + c. Nine prompts give mean (1 + c)^9 = 29.48 < 40 (not
+    shown), ten give 52.18 >= 40 (shown); the row's value is the lower bound, where the capital
+    falls to 40: -0.0389 for nine, +0.0312 for ten (test_anytime checks these by hand)."""
+    nine = decide_run(evidence((1.0,) * 9, (1,) * 9), SIGNIFICANT)
+    assert nine["failed_checks"] == ["reward", "pass_at_group"]
+    assert rows(nine)["reward"]["value"] == pytest.approx(-0.038918, abs=1e-6)
+    ten = decide_run(evidence((1.0,) * 10, (1,) * 10), SIGNIFICANT)
+    assert ten["decision"] == "accept"
+    assert rows(ten)["reward"]["value"] == pytest.approx(0.031228, abs=1e-6)
+    assert rows(ten)["pass_at_group"]["test"]["status"] == "shown"
+    assert rows(ten)["reward"]["threshold"] == "lower bound > 0"
     assert evaluate_grpo_candidate(evidence(), SIGNIFICANT)["failed_checks"] == [
         "reward", "pass_at_group"]
     # No per-prompt records: the significant-gain checks cannot pass.
@@ -113,52 +113,37 @@ def test_four_of_four_differing_prompts_do_not_pass_six_of_six_do():
         "reward", "pass_at_group"]
 
 
-def test_pass_at_group_nine_to_one_is_the_exact_mcnemar_p():
-    """10 discordant prompts split 9 : 1 for the candidate: the exact one-sided McNemar p is
-    P(X >= 9 | Binomial(10, 1/2)) = (C(10,9) + C(10,10)) / 2^10 = (10 + 1) / 1024 = 0.0107421875.
-    The sign-flip sum of ten +/-1 reaches the observed 9 - 1 = 8 when at most one is -1: the
-    same 11 patterns of 1024."""
-    result = sign_flip_test([1.0] * 9 + [-1.0] + [0.0] * 6)
-    assert result["p_value"] == 11 / 1024
-    document = evidence((0.0,) * 16, (1,) * 9 + (-1,) + (0,) * 6)
-    document["comparison"]["baseline"]["per_prompt"][9]["passed"] = True
-    document["comparison"]["candidate"]["per_prompt"][9]["passed"] = False
-    assert rows(decide_run(document, SIGNIFICANT))["pass_at_group"]["value"] == 11 / 1024
-
-
 def test_a_margin_is_tested_strictly():
-    """minimum_reward_gain 0.1 on deltas 0.25 x 6 and 0 x 2: the test flips x = delta - 0.1,
-    i.e. 0.15 x 6 and -0.1 x 2, observed sum 0.9 - 0.2 = 0.7. With a of the six 0.15 flipped
-    negative the sum is 0.9 - 0.3a plus one of -0.2, 0, 0, +0.2 from the two -0.1: a = 0 reaches
-    0.7 in all 4 patterns, a = 1 (6 ways) only with +0.2 (0.8), a >= 2 never (at most 0.5).
-    p = (4 + 6) / 2^8 = 10 / 256 = 0.0390625 > 0.025: not significant, although the same
-    deltas against a margin of 0 give p = 1/64 and pass."""
-    deltas, passes = (0.25,) * 6 + (0.0,) * 2, (1,) * 6 + (0,) * 2
+    """minimum_reward_gain 0.1: m0 = (0.1 + 1) / 2 = 0.55, each full gain multiplies by
+    1 - c + c / 0.55. Ten prompts give 23.20 < 40 (not shown; eleven give 37.63, twelve
+    61.88), although the same ten against a margin of 0 are shown."""
+    deltas, passes = (1.0,) * 10, (1,) * 10
     row = rows(decide_run(evidence(deltas, passes), dict(SIGNIFICANT, minimum_reward_gain=0.1)))[
         "reward"]
-    assert row["value"] == pytest.approx(10 / 256, abs=1e-12)
-    assert row["passed"] is False
-    assert row["test"]["margin"] == 0.1
-    assert row["threshold"] == "p <= 0.025 (H0: gain <= 0.1)"
+    assert row["passed"] is False and row["test"]["margin"] == 0.1
+    assert row["threshold"] == "lower bound > 0.1"
+    assert row["value"] == pytest.approx(0.031228, abs=1e-6)  # the bound does not move
     assert rows(decide_run(evidence(deltas, passes), SIGNIFICANT))["reward"]["passed"] is True
+    twelve = rows(decide_run(evidence((1.0,) * 12, (1,) * 12),
+                             dict(SIGNIFICANT, minimum_reward_gain=0.1)))["reward"]
+    assert twelve["passed"] is True
 
 
-def test_no_gain_is_never_significant_at_any_sparsity():
-    """The issue's table, under the new rule: k of 128 prompts differ, each by 0.25 or 0.5 of
-    random sign (true gain 0). A one-sided 2.5 % test passes at most 0.025 of the trials, plus
-    three binomial standard errors of 1,000 trials (3 * sqrt(0.025 * 0.975 / 1000) = 0.0148).
-    The bootstrap's inclusive lower bound passed 0.500 at k = 1 and 0.065 at k = 4."""
+def test_no_gain_is_never_shown_at_any_sparsity():
+    """k of 128 prompts differ, each by 0.25 or 0.5 of random sign (true gain 0). A one-sided
+    2.5 % test passes at most 0.025 of the trials, plus three binomial standard errors of 1,000
+    trials (3 * sqrt(0.025 * 0.975 / 1000) = 0.0148)."""
     rng = np.random.default_rng(54)
     trials = 1000
     bound = 0.025 + 3 * (0.025 * 0.975 / trials) ** 0.5
-    for k in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32):
+    for k in (1, 4, 8, 16, 32):
         passes = 0
-        for trial in range(trials):
+        for _ in range(trials):
             deltas = np.zeros(128)
             deltas[:k] = rng.choice([0.25, 0.5], k) * rng.choice([-1.0, 1.0], k)
-            passes += significant(sign_flip_test(deltas, seed=trial))
+            passes += betting_test(deltas)["rejected"]
         assert passes / trials <= bound, (k, passes)
-    assert sign_flip_test(np.zeros(128))["p_value"] == 1.0
+    assert betting_test(np.zeros(128))["rejected"] is False
 
 
 def test_an_identical_retest_is_no_effective_update_under_either_rule():
@@ -191,8 +176,8 @@ def test_synthetic_run_hand_computed_intervals(tmp_path):
     """Per-prompt reward deltas are 0.5 and 0.25, so each bootstrap mean is 0.5, 0.375 or 0.25
     with probabilities 1/4, 1/2, 1/4: the 95 % interval is [0.25, 0.5]. pass@group deltas are
     1 and 0: interval [0, 1] around 0.5. A reward gate of 0.3 is cleared by the point estimate
-    (0.375); the sign-flip test of "gain <= 0.3" flips x = 0.2 and -0.05, whose signed sums
-    0.15, 0.25, -0.25, -0.15 reach the observed 0.15 in 2 of 4 patterns: p = 0.5, tune."""
+    (0.375); two prompts cannot show it to the betting test: its lower bound stays far below
+    (the capital at 0.3 is mean (1 - c + c 0.75 / 0.65)(1 - c + c 0.625 / 0.65) < 40): tune."""
     run_dir = write_synthetic_run(tmp_path / "plain", minimum_reward_gain=0.3,
                                   require_significant_gain=False)
     plain = json.loads((run_dir / "evidence.json").read_text())
@@ -209,11 +194,12 @@ def test_synthetic_run_hand_computed_intervals(tmp_path):
     assert significant_run["config"]["gates"]["require_significant_gain"] is True
     assert significant_run["decision"]["decision"] == "tune"
     assert "reward" in significant_run["decision"]["failed_checks"]
-    assert rows(significant_run["decision"])["reward"]["value"] == 0.5
+    assert rows(significant_run["decision"])["reward"]["value"] == pytest.approx(
+        confidence_bound([0.5, 0.25]), abs=1e-12)
     # The audit re-derives the same decision, test included, from the stored completions.
     audit = audit_run(run_dir)
     assert audit["agrees"] is True and audit["decision"] == "tune"
-    assert audit["gain_rule"] == "paired sign-flip test"
+    assert audit["gain_rule"] == SEQUENTIAL_RULE
     assert audit_run(tmp_path / "plain" / "run")["gain_rule"] == "point estimate"
 
 
@@ -233,24 +219,25 @@ def test_lora_b_all_zero_reads_the_adapter_weights(tmp_path):
         assert lora_b_all_zero(path) is expected, name
 
 
-def test_the_detectable_gain_by_hand_and_recomputed_by_decide(tmp_path):
-    """Deltas 1, 0, 0, 1: mean 0.5, sample sd sqrt(4 * 0.25 / 3) = 0.577350; the gain this
-    re-test detects with probability 0.8 at one-sided 2.5 % is (z_0.975 + z_0.8) * sd / sqrt(n)
-    = (1.959964 + 0.841621) * 0.577350 / 2 = 0.808748 (normal approximation). With a margin
-    of 0.1 it is 0.1 higher; for the guard's `less` side it is the margin minus the same."""
-    from grpogate.evidence.significance import detectable_difference
+def test_the_resolvable_gain_by_a_scan_and_stated_by_decide(tmp_path):
+    """The smallest gain a re-test resolves with probability 0.8: the least D for which some
+    stake c (lam = c / 0.5 at margin 0) gets n (lam D' - lam^2 (s'^2 + D'^2) / 2) - 0.8416
+    sqrt(n) lam s' past log 40 + log 16 = 6.461 (D' = D / 2, s' = s / 2 on the unit scale).
+    A scan of D in steps of 1e-4 at s = 0.5, n = 100 finds it between 0.2417 and 0.2418."""
+    def reached(gain):
+        for fraction in [0.9 * 2 ** (-k / 2) for k in range(16)]:
+            stake, unit_gain, unit_spread = fraction / 0.5, gain / 2, 0.25
+            growth = stake * unit_gain - stake ** 2 * (unit_spread ** 2 + unit_gain ** 2) / 2
+            if 100 * growth - 0.841621 * 10 * stake * unit_spread >= 6.461132:
+                return True
+        return False
 
-    assert sign_flip_test([1, 0, 0, 1])["detectable_difference"] == pytest.approx(0.808748,
-                                                                                  abs=1e-6)
-    assert detectable_difference([1, 0, 0, 1], 0.1) == pytest.approx(0.908748, abs=1e-6)
-    assert detectable_difference([1, 0, 0, 1], -0.1, "less") == pytest.approx(-0.908748, abs=1e-6)
-    assert detectable_difference([0.0] * 8) is None  # no spread: nothing to estimate it from
-    # The synthetic run's reward deltas 0.5, 0.25: sd sqrt(2 * 0.125^2) = 0.176777, and
-    # 2.801585 * 0.176777 / sqrt(2) = 0.350198; decide recomputes it with the decision.
+    first = next(k / 10000 for k in range(1, 10000) if reached(k / 10000))
+    assert first == pytest.approx(0.2418, abs=1e-4)
+    assert resolvable_difference(0.5, 100) == pytest.approx(first, abs=1.5e-4)
+    assert resolvable_difference(0.0, 100) is None  # no spread: nothing to plan from
     run_dir = write_synthetic_run(tmp_path, require_significant_gain=True)
-    row = rows(json.loads((run_dir / "evidence.json").read_text())["decision"])["reward"]
-    assert row["test"]["detectable_difference"] == pytest.approx(0.350198, abs=1e-6)
     audit = audit_run(run_dir)
     assert audit["agrees"] is True
-    assert rows(audit)["reward"]["test"]["detectable_difference"] == pytest.approx(0.350198,
-                                                                                   abs=1e-6)
+    test = rows(audit)["reward"]["test"]
+    assert test["spread"] == pytest.approx(0.176777, abs=1e-6)  # deltas 0.5, 0.25

@@ -285,12 +285,31 @@ def test_seeds_far_apart_still_share_one_digit_chain_sums_and_exclusion_removes_
     from grpogate.config import TaskConfig
     from grpogate.inputs.tasks import load_eval_set
 
-    default_eval, _ = load_eval_set(TaskConfig(eval_seed=2), 64)
-    development, _ = load_eval_set(TaskConfig(eval_seed=1_000_000), 64)
+    default_eval, _ = load_eval_set(TaskConfig(eval_seed=2, eval_pool=0), 64)
+    development, _ = load_eval_set(TaskConfig(eval_seed=1_000_000, eval_pool=0), 64)
     ids = {p.prompt_id for p in default_eval}
     assert len({p.prompt_id for p in development} & ids) == 7
-    disjoint, identity = load_eval_set(TaskConfig(eval_seed=1_000_000), 64, exclude_ids=frozenset(ids))
+    disjoint, identity = load_eval_set(TaskConfig(eval_seed=1_000_000, eval_pool=0), 64,
+                                       exclude_ids=frozenset(ids))
     assert len({p.prompt_id for p in disjoint}) == 64 and not {p.prompt_id for p in disjoint} & ids
     assert identity["excluded_prompts"] == 64
     with pytest.raises(InputError, match="needs a reasoning-gym task"):
         load_eval_set(TaskConfig(source="gsm8k", path="x"), 4, exclude_ids=frozenset({"a"}))
+
+
+def test_a_pooled_eval_set_is_a_seeded_draw_whose_prefixes_extend():
+    """With task.eval_pool the eval prompts are a seeded random order of the first `pool`
+    distinct problems: a larger eval set starts with the smaller one (so extending a re-test
+    keeps its prompts and seeds), every prompt lies in the pool, and the order is not the
+    generation order (later distinct chain_sum problems are harder than early ones)."""
+    from grpogate.config import TaskConfig
+    from grpogate.inputs.tasks import load_eval_set
+
+    small, identity = load_eval_set(TaskConfig(eval_seed=2, eval_pool=256), 32)
+    large, _ = load_eval_set(TaskConfig(eval_seed=2, eval_pool=256), 128)
+    in_order, _ = load_eval_set(TaskConfig(eval_seed=2, eval_pool=0), 256)
+    assert [p.prompt_id for p in large[:32]] == [p.prompt_id for p in small]
+    assert {p.prompt_id for p in large} <= {p.prompt_id for p in in_order}
+    assert [p.prompt_id for p in large] != [p.prompt_id for p in in_order[:128]]
+    assert (identity["pool"], identity["size"], identity["order"]) == (
+        256, 32, "seeded shuffle of the pool")

@@ -49,7 +49,7 @@ from grpogate.inputs import tasks
 from grpogate.inputs.policy import Policy, current_version, load_policy, trainable_parameters
 from grpogate.inputs.rewards import user_reward_names
 from grpogate.interrupts import RunInterrupted, StopRequest, stop_on_signals
-from grpogate.sampling.retest import retest_both
+from grpogate.sampling.sequential import RetestSet, sequential_retest
 from grpogate.sampling.rollout import encode_prompts
 from grpogate.training.checkpoint import (CHECKPOINTS, Checkpoint, CheckpointWriter,
                                           checkpoint_to_resume, latest_checkpoint,
@@ -257,17 +257,15 @@ def retest_stage(admission: Admission, prepared: Prepared, state: LoopState,
     if state.status == "ok" and agree_stop(world, stop):
         state.interrupt(stop, "before the re-test")
     elif state.status != "interrupted":
-        retested = retest_both(prepared.policy, admission.eval, prepared.eval_prompts,
-                               admission.verifier, config, candidate_version, reporter, stop,
-                               world, drift=True)
-        guarded = ([], 0)
-        if retested is not None and admission.guard:
-            guarded = retest_both(prepared.policy, admission.guard, prepared.guard_prompts,
-                                  admission.guard_verifier, config, candidate_version, reporter,
-                                  stop, world, group_size=config.guard.group_size,
-                                  label="guard")
-        if retested is not None and guarded is not None:
-            return retested[0], retested[1] + guarded[1], False, guarded[0]
+        eval_set = RetestSet(admission.eval, prepared.eval_prompts, admission.verifier,
+                             config.eval_group_size, "re-test")
+        guard_set = RetestSet(admission.guard, prepared.guard_prompts,
+                              admission.guard_verifier, config.guard.group_size,
+                              "guard") if admission.guard else None
+        retested = sequential_retest(prepared.policy, eval_set, guard_set, config,
+                                     candidate_version, reporter, stop, world)
+        if retested is not None:
+            return retested[0], retested[2], False, retested[1]
         state.interrupt(stop, "during the re-test")
     return [], 0, True, []
 

@@ -49,7 +49,7 @@ from grpogate.interrupts import StopRequest
 from grpogate.admission import run_dir_for
 from grpogate.delivery import peak_memory, run_environment, write_run_files
 from grpogate.pipeline import NullReporter
-from grpogate.sampling.retest import retest_both
+from grpogate.sampling.sequential import RetestSet, sequential_retest
 from grpogate.sampling.rollout import encode_prompts
 from grpogate.inputs.training_prompts import checked_isolation, training_problems
 
@@ -216,15 +216,12 @@ def _retest(admitted: Admitted, policy, candidate_version: str, reporter, guard_
         return encode_prompts(policy.tokenizer, problems, config.resolved_system_prompt(),
                               config.max_prompt_tokens)
 
-    records, errors = retest_both(policy, admitted.eval_set, encoded(admitted.eval_set),
-                                  admitted.verifier, config, candidate_version, reporter,
-                                  StopRequest(), drift=True)
-    guard_records, guard_errors = [], 0
-    if guard_set:
-        guard_records, guard_errors = retest_both(
-            policy, guard_set, encoded(guard_set), guard_verifier, config, candidate_version,
-            reporter, StopRequest(), group_size=config.guard.group_size, label="guard")
-    return records, guard_records, errors + guard_errors
+    eval_set = RetestSet(admitted.eval_set, encoded(admitted.eval_set), admitted.verifier,
+                         config.eval_group_size, "re-test")
+    guarded = RetestSet(guard_set, encoded(guard_set), guard_verifier, config.guard.group_size,
+                        "guard") if guard_set else None
+    return sequential_retest(policy, eval_set, guarded, config, candidate_version, reporter,
+                             StopRequest())
 
 
 def _copy_inputs(admitted: Admitted, run_dir: Path) -> str:

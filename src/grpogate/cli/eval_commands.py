@@ -112,8 +112,8 @@ def compare(
         print_json(result)
         return
     console.print(comparison_table(result))
-    console.print("gain test p: one-sided paired sign-flip test of 'no gain' over prompts (exact "
-                  "McNemar for pass@group); p <= 0.025 resolves a gain")
+    console.print("gain lower bound: the anytime-valid one-sided 97.5 % bound of the paired gain "
+                  "over prompts (a betting test); above 0 resolves a gain")
     for warning in result["warnings"]:
         console.print(f"[yellow]warning:[/] {plain(warning)}", soft_wrap=True)
 
@@ -122,16 +122,16 @@ def comparison_table(result: dict) -> Table:
     paired = result["paired"]
     table = Table(title=f"paired comparison on {paired['prompt_count']} prompts (B - A)")
     for column in ("metric", "A", "B", "gain", f"{paired['confidence']:.0%} bootstrap",
-                   "gain test p"):
+                   "gain lower bound"):
         table.add_column(column)
     a, b = result["baseline"], result["candidate"]
-    tests = {"reward_mean_gain": ("mean_reward", paired["reward_mean_gain"]["gain_test"]["p_value"]),
+    tests = {"reward_mean_gain": ("mean_reward", paired["reward_mean_gain"]["gain_test"]["bound"]),
              "pass_at_group_gain": ("pass_at_group",
-                                    paired["pass_at_group_gain"]["gain_test"]["p_value"])}
-    for gain, (metric, p_value) in tests.items():
+                                    paired["pass_at_group_gain"]["gain_test"]["bound"])}
+    for gain, (metric, bound) in tests.items():
         interval = paired[gain]
         table.add_row(metric, f"{a[metric]:.4f}", f"{b[metric]:.4f}", f"{result[gain]:+.4f}",
-                      f"[{interval['low']:+.4f}, {interval['high']:+.4f}]", f"{p_value:.4g}")
+                      f"[{interval['low']:+.4f}, {interval['high']:+.4f}]", f"{bound:+.4f}")
     table.add_row("mean length", f"{a['length']['mean']:.1f}", f"{b['length']['mean']:.1f}",
                   f"{paired['length_mean_change']:+.1f}", "", "")
     table.add_row("max-length hit ratio", f"{a['max_length_hit_ratio']:.4f}",

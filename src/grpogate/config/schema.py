@@ -39,6 +39,11 @@ class TaskConfig:
     eval_split: str = "test"
     train_seed: int = 1  # reasoning-gym generation seed; for gsm8k the row-sampling seed
     eval_seed: int = 2
+    # reasoning-gym: the eval prompts are drawn in a seeded random order from the first
+    # eval_pool distinct problems, so every batch of the sequential re-test comes from one
+    # population (later distinct problems of a generator are harder than early ones) and a
+    # larger eval_prompts extends the same sequence. 0: the first eval_prompts in order.
+    eval_pool: int = 1024
     # dataset: the prompt column (a string or chat messages), the reference column (a dotted
     # path; "answer" also finds TRL's "solution" and verl's "reward_model.ground_truth"), and
     # the verifier: "number" (the last number equals the reference's), "math" (math-verify) or
@@ -62,8 +67,13 @@ class GuardConfig:
     comments").
     """
 
-    prompts: int = 64
-    group_size: int = 4
+    # The guard's population: its task's first `prompts` distinct problems (the default task
+    # has exactly 100), the bound is on their mean. Each look of the sequential re-test is one
+    # round: every problem answered `group_size` more times by both policies (fresh seeds per
+    # round), up to `rounds` rounds; the test reads the paired samples (evidence/stopping.py).
+    prompts: int = 100
+    group_size: int = 2
+    rounds: int = 16
     task: str = "products"  # a reasoning-gym dataset; its own scorer verifies
     params: dict = field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
@@ -99,10 +109,13 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     verifier: str = ""  # empty -> derived from the task
     system_prompt: str = ""  # empty -> derived from the task
-    # 64 steps of 8 prompts; 128 eval prompts x 4 resolve a gain to about +-0.065. Chosen on
-    # the development set (bench/default_search.toml, docs/measurements.md), with lr and beta.
+    # 64 steps of 8 prompts. Chosen on the development set (bench/default_search.toml,
+    # docs/measurements.md), with lr and beta.
     train_prompts: int = 512
-    eval_prompts: int = 128
+    # The sequential re-test (evidence/stopping.py): eval_batch_prompts more eval prompts at each
+    # look, until every gate is decided or eval_prompts are spent.
+    eval_prompts: int = 256
+    eval_batch_prompts: int = 32
 
     # Rollout
     group_size: int = 8

@@ -80,6 +80,11 @@ def validate(config: RunConfig) -> RunConfig:
     need(config.eval_group_size >= 1, "eval_group_size must be >= 1")
     need(config.train_prompts >= 1 and config.eval_prompts >= 1,
          "train_prompts and eval_prompts must be >= 1")
+    need(config.eval_batch_prompts >= 1, f"eval_batch_prompts must be >= 1 (got "
+         f"{config.eval_batch_prompts}): the re-test's prompts per look")
+    need(config.task.eval_pool == 0 or config.task.eval_pool >= config.eval_prompts,
+         f"task.eval_pool ({config.task.eval_pool}) must be 0 or >= eval_prompts "
+         f"({config.eval_prompts}): the eval prompts are drawn from it")
     need(config.prompts_per_step >= 1, "prompts_per_step must be >= 1")
     need(config.train_prompts % config.prompts_per_step == 0,
          f"train_prompts ({config.train_prompts}) must be divisible by prompts_per_step "
@@ -220,6 +225,15 @@ def _validate_guard(config: RunConfig, need) -> None:
          f"guard.group_size >= 1 (got {config.guard.group_size})")
     need(not config.guard.enabled or bool(config.guard.task),
          "guard.task must name a reasoning-gym dataset (e.g. chain_sum), or set guard.prompts = 0")
+    if not config.guard.enabled:
+        return
+    need(config.guard.rounds >= 1, f"guard.rounds must be >= 1 (got {config.guard.rounds}): "
+         "the most rounds of guard samples the sequential re-test takes")
+    loss = config.gates.maximum_guard_reward_loss
+    need(not config.gates.require_significant_gain or 0 < loss < 1,
+         f"gates.maximum_guard_reward_loss must be in (0, 1) with the guard on (got {loss!r}): "
+         "the guard shows non-inferiority within this margin, and no re-test can show a loss "
+         "of exactly 0 is absent; set guard.prompts = 0 to turn the guard off")
 
 
 def _validate_dataset_task(task, need) -> None:

@@ -14,7 +14,7 @@ import platform
 from importlib import metadata
 
 from grpogate.config import RunConfig, step_count
-from grpogate.evidence import decisions, guard, metrics
+from grpogate.evidence import decisions, guard, metrics, retest_checks, stopping
 from grpogate.seeding import REFILL_SEED_OFFSET, eval_seed, rollout_seed
 
 EVIDENCE_VERSION = 1
@@ -331,7 +331,31 @@ def assemble_evidence(facts: dict, config: dict, steps: list[dict], trajectories
                                        skipped=facts["retest_skipped"])
     if guard_result is not None:  # absent from runs recorded before the guard
         evidence["guard"] = guard_result
+    looks = retest_looks(evidence, config)
+    if looks is not None:
+        evidence["retest"] = looks
     return decided(evidence, config["gates"], seconds["total"])
+
+
+def retest_looks(evidence: dict, config: dict) -> dict | None:
+    """Every look of the sequential re-test, where the rule stopped and why, and the
+    completions it used, recomputed from the per-prompt records (retest_checks.
+    sequential_outcome); None for a skipped re-test or a config without the sequential design."""
+    design = stopping.design_of(config)
+    if design is None or evidence["comparison"].get("skipped") is True:
+        return None
+    outcome = retest_checks.sequential_outcome(evidence, config["gates"])
+    if outcome is None:
+        return None
+    recorded = outcome["recorded"]
+    return {"rule": stopping.RULE if retest_checks.gain_rule(config["gates"]) ==
+            retest_checks.SEQUENTIAL_RULE else "one look at the maximum (point-estimate gates)",
+            "design": design, "margins": outcome["margins"], "looks": outcome["looks"],
+            "stopped_at_look": len(outcome["looks"]) if outcome["complete"] else None,
+            "reason": outcome["reason"], "status": outcome["status"],
+            "eval_prompts": recorded["eval_prompts"], "guard_samples": recorded["guard_samples"],
+            "completions": 2 * (recorded["eval_prompts"] * config["eval_group_size"]
+                                + recorded["guard_samples"])}
 
 
 def decided(evidence: dict, gates: dict, total_seconds: float) -> dict:

@@ -53,7 +53,8 @@ def reload_problem_sets(config: dict, inputs: dict) -> tuple[list, dict, list, d
     the absolute file the run recorded when it exists, so a run configured with a relative path
     can be replayed from any working directory.
     """
-    task = TaskConfig(**config["task"])
+    # A run recorded before eval pools drew its eval set in generation order (eval_pool 0).
+    task = TaskConfig(**{"eval_pool": 0, **config["task"]})
 
     def recorded_file(identity_key: str) -> str:
         recorded = (inputs.get(identity_key) or {}).get("file")

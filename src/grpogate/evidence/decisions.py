@@ -22,7 +22,7 @@ from grpogate.evidence.check_rows import (_gate_row, _get, _is_positive_int,  # 
                                           _non_empty_str, _retest_skipped, _row, _same_version)
 from grpogate.evidence.retest_checks import (_effective_update_row, _gain_row,  # noqa: F401
                                              _guard_row, _retest_kl_row, gain_rule, gain_rule_line,
-                                             gain_test, identical_retest, no_change_reason)
+                                             identical_retest, no_change_reason, stopping_row)
 from grpogate.evidence.step_checks import steps_rows
 from grpogate.gates import (GATE_NAMES, SWITCH_GATE_NAMES, finite_number,  # noqa: F401
                             validate_gates)  # GATE_NAMES, validate_gates: re-exported
@@ -295,7 +295,8 @@ def run_checks(evidence: Any, gates: Any) -> list[dict[str, Any]]:
     memory = candidate_rows.pop()  # docs/design.md §5's order: length_budget before memory
     # What the update cost: the guard set and the drift (absent rows: gates that predate them).
     safety = [row for row in (_guard_row(evidence, gates), _retest_kl_row(evidence, gates)) if row]
-    changed = [row for row in (_effective_update_row(evidence),) if row]
+    changed = [row for row in (_effective_update_row(evidence), stopping_row(evidence, gates))
+               if row]
     return [contract, *_foreign_admission_rows(evidence), *steps_rows(evidence),
             *candidate_rows[:3], *changed,
             *candidate_rows[3:], length_budget, *safety, memory,

@@ -1,10 +1,10 @@
 """The re-test's two safety readings, from plain records: the guard set and the drift.
 
 Guard: baseline and candidate also answer a neighbouring task's problems (config `[guard]`),
-and the pair is reduced exactly as the eval set is (`metrics.summarize_completions`, then
-`metrics.paired_comparison` with the run's bootstrap seed): per-prompt differences, a 95 %
-paired bootstrap interval, the sign and McNemar tests. `decisions` reads it against
-gates.maximum_guard_reward_loss.
+in rounds (every problem `group_size` more times a round), and the pair is reduced as the eval
+set is (`metrics.summarize_completions` over all rounds, then `metrics.paired_comparison` with
+the run's bootstrap seed) for a reader, plus the paired sample differences the non-inferiority
+test reads (retest_checks, stopping) against gates.maximum_guard_reward_loss.
 
 Drift: every re-test completion carries its policy's mean per-token entropy, and every
 candidate completion its mean per-token KL to the baseline (exact, over the vocabulary, at the
@@ -28,10 +28,10 @@ DRIFT_MEASURE = ("exact per-token KL(candidate || baseline) = sum over the vocab
 DRIFT_TRUST = ("each completion's mean per-token KL and entropy are taken as recorded "
                "(re-deriving them needs the model); the token-weighted means and the gate are "
                "recomputed from the records")
-GUARD_RULE = ("tune when the candidate is worse on the guard set by more than "
-              "gates.maximum_guard_reward_loss: a one-sided paired sign-flip test rejects "
-              "'guard gain >= -maximum_guard_reward_loss' at p <= 0.025 (the point estimate "
-              "below -maximum_guard_reward_loss when gates.require_significant_gain is false)")
+GUARD_RULE = ("non-inferiority: the guard passes only when the anytime-valid test over its "
+              "paired samples shows the guard gain above -gates.maximum_guard_reward_loss (its "
+              "lower bound at 97.5 %); a loss not seen is not enough (the point estimate >= "
+              "-maximum_guard_reward_loss when gates.require_significant_gain is false)")
 
 
 def guard_section(config: dict, guard_records: list[dict], bootstrap: dict,
@@ -51,15 +51,35 @@ def guard_section(config: dict, guard_records: list[dict], bootstrap: dict,
     if skipped:
         return section | {"skipped": True}
     budget = config["max_new_tokens"]
+    per_round = guard["prompts"] * guard["group_size"]
+    answered = sum(r["policy"] == "baseline" for r in guard_records)
+    if per_round <= 0 or answered % per_round:
+        raise ValueError(f"the guard records hold {answered} baseline samples, not whole rounds "
+                         f"of {guard['prompts']} problems x {guard['group_size']}")
+    rounds = answered // per_round
     baseline, candidate = (metrics.summarize_completions(
-        [r for r in guard_records if r["policy"] == name], guard["group_size"], budget)
+        [r for r in guard_records if r["policy"] == name], rounds * guard["group_size"], budget)
         for name in ("baseline", "candidate"))
     paired = metrics.paired_comparison(baseline, candidate, **bootstrap)
     return section | {
+        "rounds": rounds, "samples_per_problem": rounds * guard["group_size"],
         "reward_mean_gain": candidate["mean_reward"] - baseline["mean_reward"],
         "pass_at_group_gain": candidate["pass_at_group"] - baseline["pass_at_group"],
         "baseline": baseline, "candidate": candidate, "paired": paired,
+        "sample_differences": sample_differences(guard_records),
         "identical_completions": metrics.identical_pairs(guard_records)}
+
+
+def sample_differences(records: list[dict]) -> list[float]:
+    """Candidate minus baseline reward of every paired guard sample (same prompt, same sample
+    index: the same seed), in the baseline records' order (round by round): the observations
+    the guard's test reads. A sample only one policy answered pairs with nothing and is left
+    out (the audit's record checks catch it)."""
+    candidate = {(str(r["prompt_id"]), r["sample_index"]): float(r["reward"])
+                 for r in records if r["policy"] == "candidate"}
+    return [candidate[key] - float(r["reward"]) for r in records
+            if r["policy"] == "baseline"
+            and (key := (str(r["prompt_id"]), r["sample_index"])) in candidate]
 
 
 def _token_weighted(records: list[dict], key: str) -> tuple[float | None, int]:

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from grpogate.evidence.significance import sign_flip_test
+from grpogate.evidence.anytime import betting_test
 
 SUCCESS_REWARD = 1.0  # a completion "passes" when its verifier reward reaches this value
 
@@ -104,8 +104,8 @@ def summarize_completions(records: list[dict], group_size: int, max_new_tokens: 
     for record in records:
         rewards_by_prompt.setdefault(str(record["prompt_id"]), []).append(float(record["reward"]))
 
-    per_prompt = []
-    for prompt_id in sorted(rewards_by_prompt):
+    per_prompt = []  # in the records' order: the re-test's drawn order, which its looks follow
+    for prompt_id in rewards_by_prompt:
         rewards = rewards_by_prompt[prompt_id]
         if len(rewards) != group_size:
             raise ValueError(
@@ -264,12 +264,12 @@ def paired_comparison(
     passed_deltas = [float(candidate[i]["passed"]) - float(baseline[i]["passed"]) for i in prompt_ids]
     return {
         "prompt_count": len(prompt_ids),
-        # gain_test: the one-sided paired sign-flip test of "no gain" (evidence/significance.py),
-        # the test the gain gates run at their margin.
+        # gain_test: the anytime-valid one-sided test of "no gain" on every prompt
+        # (evidence/anytime.py), the test the gain gates read at their margins.
         "reward_mean_gain": {**interval(reward_deltas), "sign_test": sign_test(reward_deltas),
-                             "gain_test": sign_flip_test(reward_deltas, seed=seed)},
+                             "gain_test": betting_test(reward_deltas)},
         "pass_at_group_gain": {
-            **interval(passed_deltas), "gain_test": sign_flip_test(passed_deltas, seed=seed),
+            **interval(passed_deltas), "gain_test": betting_test(passed_deltas),
             "mcnemar": mcnemar_exact(
                 [baseline[i]["passed"] for i in prompt_ids],
                 [candidate[i]["passed"] for i in prompt_ids],

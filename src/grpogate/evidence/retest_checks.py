@@ -1,11 +1,13 @@
-"""The re-test's checks: the gain gates (reward, pass_at_group), the guard, the re-test KL and
-the effective-update check, and the words the run, `decide` and the report use for them.
+"""The re-test's checks: the gain gates (reward, pass_at_group), the guard, the stopping rule,
+the re-test KL and the effective-update check, and the words the run, `decide` and the report
+use for them.
 
-Pure Python and numpy (no torch). Under `require_significant_gain` each gain gate, and the
-guard's loss check in the other direction, is the paired sign-flip test of
-`evidence/significance.py` run on the per-prompt records the evidence holds, so `decide`
-recomputes it from the stored completions; the row's value is the test's p-value and the row
-carries the whole test. Otherwise the gates read point estimates.
+Pure Python and numpy (no torch). Under `require_significant_gain` the gates read the
+sequential re-test (evidence/stopping.py) recomputed from the per-prompt records the evidence
+holds, so `decide` recomputes every look: a gain gate passes when its anytime-valid test showed
+"gain > minimum" at some look, the guard when it showed "guard gain > -maximum_guard_reward_loss"
+(non-inferiority). Each row's value is the bound it read and the row carries the gate's looks.
+Otherwise the gates read point estimates.
 """
 
 from __future__ import annotations
@@ -13,82 +15,140 @@ from __future__ import annotations
 from typing import Any
 
 from grpogate.errors import plain
+from grpogate.evidence import stopping
+from grpogate.evidence.anytime import SIGNIFICANCE_LEVEL, resolvable_difference
 from grpogate.evidence.check_rows import _gate_row, _get, _retest_skipped, _row
-from grpogate.evidence.significance import (SIGNIFICANCE_LEVEL, per_prompt_deltas,
-                                            sign_flip_test, significant)
+from grpogate.evidence.significance import per_prompt_deltas
 from grpogate.gates import finite_number
+
+SEQUENTIAL_RULE = "anytime-valid sequential test"
 
 
 def gain_rule(gates: Any) -> str:
-    """Which rule the reward and pass_at_group gates read: the one-sided paired sign-flip test
-    of "gain <= minimum" at 2.5 % when `require_significant_gain` is true, else the point
-    estimate (a gates table without the switch: the reference profile's gates). The run's
-    output, `decide` and the report state it with this one rule."""
+    """Which rule the reward, pass_at_group and guard gates read: the anytime-valid sequential
+    test at 2.5 % when `require_significant_gain` is true, else the point estimate (a gates
+    table without the switch: the reference profile's gates). The run's output, `decide` and the
+    report state it with this one rule."""
     if _get(gates, "require_significant_gain") is True:
-        return "paired sign-flip test"
+        return SEQUENTIAL_RULE
     return "point estimate"
 
 
 def gain_rule_line(gates: Any) -> str:
     """One sentence for a reader: which rule decided the gain gates, and how to switch it."""
-    if gain_rule(gates) == "paired sign-flip test":
-        return ("gain gates (reward, pass_at_group) pass when a one-sided paired sign-flip test "
-                f"rejects 'gain <= minimum' at p <= {SIGNIFICANCE_LEVEL} "
-                "(gates.require_significant_gain = true)")
+    if gain_rule(gates) == SEQUENTIAL_RULE:
+        return ("gain gates (reward, pass_at_group) pass when an anytime-valid one-sided test "
+                f"shows 'gain > minimum' at level {SIGNIFICANCE_LEVEL} (the lower confidence "
+                "bound above the minimum); the guard passes when it shows the guard loss below "
+                "gates.maximum_guard_reward_loss (gates.require_significant_gain = true)")
     return ("gain gates (reward, pass_at_group) read the point estimate "
             "(gates.require_significant_gain = false: the reference profile's published gates); "
             "this rule accepts a candidate whose gain is zero")
 
 
-# The per-prompt field each gain gate tests, with its summary-level gain and paired interval.
+# The per-prompt field each gain gate tests.
 _GAIN_FIELDS = {"reward_mean_gain": "mean_reward", "pass_at_group_gain": "passed"}
 
 
-def gain_test(section: Any, name: str, margin: Any, alternative: str = "greater") -> dict | None:
-    """The paired sign-flip test of one gain in a re-test section (the evidence's comparison,
-    or its guard), from the per-prompt records it holds, with the recorded 95 % interval
-    beside it; None when the section is skipped or its per-prompt records do not pair."""
-    margin = finite_number(margin)
-    if margin is None or _get(section, "skipped") is True:
+def section_deltas(section: Any, name: str) -> list[float] | None:
+    """Candidate minus baseline per prompt of one gain in a re-test section (the evidence's
+    comparison, or its guard), in the baseline records' (drawn) order; None when the section is
+    skipped or its per-prompt records do not pair."""
+    if _get(section, "skipped") is True:
         return None
     baseline, candidate = _get(section, "baseline", "per_prompt"), _get(
         section, "candidate", "per_prompt")
     if not isinstance(baseline, list) or not isinstance(candidate, list):
         return None
-    deltas = per_prompt_deltas(baseline, candidate, _GAIN_FIELDS[name])
-    if deltas is None:
+    return per_prompt_deltas(baseline, candidate, _GAIN_FIELDS[name])
+
+
+def guard_samples(section: Any) -> list[float] | None:
+    """The guard's paired sample differences (candidate minus baseline reward per prompt and
+    sample, round by round) as its section records them; None when skipped or malformed."""
+    values = _get(section, "sample_differences")
+    if _get(section, "skipped") is True or not isinstance(values, list):
         return None
-    test = sign_flip_test(deltas, margin=margin, alternative=alternative)
-    interval = _get(section, "paired", name)
-    if isinstance(interval, dict):
-        test["interval_95"] = [interval.get("low"), interval.get("high")]
-    return test
+    numbers = [finite_number(value) for value in values]
+    if any(n is None or not -1.0 <= n <= 1.0 for n in numbers):
+        return None
+    return [float(n) for n in numbers]
+
+
+def _margin(gates: Any, gate_name: str, sign: float = 1.0) -> float | None:
+    """A gate's margin for the tests (strictly inside (-1, 1), where a mean difference lies)."""
+    value = finite_number(_get(gates, gate_name))
+    if value is None or not -1.0 < sign * value < 1.0:
+        return None
+    return 0.0 - value if sign < 0 else float(value)  # 0.0 - 0.0 shows as 0, not -0
+
+
+def guard_on(evidence: Any) -> bool:
+    guard = _get(evidence, "guard")
+    return isinstance(guard, dict) and guard.get("enabled") is not False
+
+
+def sequential_outcome(evidence: Any, gates: Any) -> dict | None:
+    """The stopping rule walked over the evidence's per-prompt records (stopping.walk_looks)
+    with the run's design, or one look at every recorded prompt for a run recorded before the
+    sequential re-test; None when a margin is unusable or the records do not pair."""
+    margins = {"reward": _margin(gates, "minimum_reward_gain"),
+               "pass_at_group": _margin(gates, "minimum_pass_at_group_gain"),
+               "guard": _margin(gates, "maximum_guard_reward_loss", -1.0)}
+    comparison = _get(evidence, "comparison")
+    reward = section_deltas(comparison, "reward_mean_gain")
+    passed = section_deltas(comparison, "pass_at_group_gain")
+    guard = guard_samples(_get(evidence, "guard")) if guard_on(evidence) else None
+    if reward is None or passed is None or (guard_on(evidence) and guard is None) \
+            or None in (margins["reward"], margins["pass_at_group"]) \
+            or (guard is not None and margins["guard"] is None):
+        return None
+    design = stopping.design_of(_get(evidence, "config")) or {
+        "eval_batch": len(reward), "eval_max": len(reward),
+        "guard_batch": len(guard or []), "guard_max": len(guard or [])}
+    try:
+        walked = stopping.walk_looks(reward, passed, guard, design, margins)
+    except (ValueError, KeyError, TypeError):
+        return None
+    return walked | {"design": design, "margins": margins,
+                     "recorded": {"eval_prompts": len(reward),
+                                  "guard_samples": len(guard or [])}}
+
+
+def _looks_of(outcome: dict, gate: str) -> dict:
+    """What the gate's row carries: its status, the bounds at the last look, every look."""
+    looks = [look[gate] | {"look": look["look"]} for look in outcome["looks"] if gate in look]
+    last = looks[-1] if looks else {}
+    return {"method": SEQUENTIAL_RULE, "status": outcome["status"].get(gate, "open"),
+            "margin": outcome["margins"][gate], "observations": last.get("observations", 0),
+            "lower_bound": last.get("lower_bound"), "upper_bound": last.get("upper_bound"),
+            "mean": last.get("mean"), "spread": last.get("spread"), "level": SIGNIFICANCE_LEVEL,
+            "looks": looks}
 
 
 def _gain_row(evidence: Any, gates: Any, check: str, name: str, gate_name: str) -> dict:
-    """A gain gate: the point estimate >= the minimum, or (significant rule) the test of
-    "gain <= minimum" rejecting at SIGNIFICANCE_LEVEL; its row carries the test."""
-    if gain_rule(gates) != "paired sign-flip test":
+    """A gain gate: the point estimate >= the minimum, or (sequential rule) the gain shown
+    above its minimum at some look of the re-test; its row carries the gate's looks."""
+    if gain_rule(gates) != SEQUENTIAL_RULE:
         value = None if _retest_skipped(evidence) else _get(evidence, "comparison", name)
         return _gate_row(check, value, gates, gate_name)
     margin = finite_number(_get(gates, gate_name))
-    test = None if _retest_skipped(evidence) else gain_test(
-        _get(evidence, "comparison"), name, margin)
-    threshold = (f"p <= {SIGNIFICANCE_LEVEL} (H0: gain <= {margin:g})" if margin is not None
-                 else None)
-    row = _row(check, None if test is None else test["p_value"], threshold,
-               test is not None and significant(test), "tune")
+    outcome = None if _retest_skipped(evidence) else sequential_outcome(evidence, gates)
+    test = None if outcome is None else _looks_of(outcome, check)
+    threshold = f"lower bound > {margin:g}" if margin is not None else None
+    row = _row(check, None if test is None else test["lower_bound"], threshold,
+               test is not None and test["status"] == "shown", "tune")
     if test is not None:
         row["test"] = test
     return row
 
 
 def _guard_row(evidence: Any, gates: Any) -> dict[str, Any] | None:
-    """The guard set must not be significantly worse than -maximum_guard_reward_loss: under the
-    significant rule the same paired sign-flip test as the gains, of "guard gain >= -loss"
-    (the row fails when it rejects at SIGNIFICANCE_LEVEL); under the point-estimate rule the
-    guard gain itself >= -loss. None (no row) when the gates predate the guard; a guard
-    recorded off passes as "off"."""
+    """Non-inferiority on the guard set: under the sequential rule the guard passes only when
+    its test showed "guard gain > -maximum_guard_reward_loss" (the lower bound above -delta);
+    not seeing a loss is not enough. Under the point-estimate rule the guard gain itself
+    >= -loss. None (no row) when the gates predate the guard; a guard recorded off passes as
+    "off"."""
     if not isinstance(gates, dict) or "maximum_guard_reward_loss" not in gates:
         return None
     guard, loss = _get(evidence, "guard"), finite_number(gates["maximum_guard_reward_loss"])
@@ -96,18 +156,43 @@ def _guard_row(evidence: Any, gates: Any) -> dict[str, Any] | None:
     if isinstance(guard, dict) and guard.get("enabled") is False and not _retest_skipped(evidence):
         return _row("guard", "off", threshold, True, "tune")
     usable = isinstance(guard, dict) and guard.get("skipped") is not True
-    if gain_rule(gates) != "paired sign-flip test":
+    if gain_rule(gates) != SEQUENTIAL_RULE:
         value = finite_number(guard.get("reward_mean_gain")) if usable else None
         return _row("guard", value, threshold,
                     value is not None and threshold is not None and value >= threshold, "tune")
-    test = gain_test(guard, "reward_mean_gain", threshold, "less") if usable else None
-    row = _row("guard", None if test is None else test["p_value"],
-               None if threshold is None else
-               f"p > {SIGNIFICANCE_LEVEL} (H0: guard gain >= {threshold:g})",
-               test is not None and not significant(test), "tune")
+    outcome = sequential_outcome(evidence, gates) if usable else None
+    test = None if outcome is None else _looks_of(outcome, "guard")
+    row = _row("guard", None if test is None else test["lower_bound"],
+               None if threshold is None else f"lower bound > {threshold:g}",
+               test is not None and test["status"] == "shown", "tune")
     if test is not None:
         row["test"] = test
     return row
+
+
+def stopping_row(evidence: Any, gates: Any) -> dict[str, Any] | None:
+    """The re-test holds exactly the prompts its stopping rule takes (else `reject`: a re-test
+    stopped early or run past its stop is a decision chosen by looking). None for the
+    point-estimate rule, a skipped re-test, or a run recorded before the sequential design."""
+    if gain_rule(gates) != SEQUENTIAL_RULE or _retest_skipped(evidence) \
+            or stopping.design_of(_get(evidence, "config")) is None:
+        return None
+    outcome = sequential_outcome(evidence, gates)
+    if outcome is None:
+        return _row("retest_stopping", None, "the rule's stopping point", False, "reject")
+    recorded = outcome["recorded"]
+    held = (f"{recorded['eval_prompts']} eval prompts + {recorded['guard_samples']} guard "
+            "samples")
+    if not outcome["complete"]:
+        return _row("retest_stopping", f"{held}: the rule had not stopped (its next look "
+                    f"needs {outcome['next'][0]} + {outcome['next'][1]})",
+                    "the rule's stopping point", False, "reject")
+    stop = f"{outcome['eval_prompts']} + {outcome['guard_samples']} at look " \
+        f"{len(outcome['looks'])}"
+    exact = (recorded["eval_prompts"], recorded["guard_samples"]) == (
+        outcome["eval_prompts"], outcome["guard_samples"])
+    return _row("retest_stopping", held if exact else f"{held}, but the rule stops at {stop}",
+                stop, exact, "reject")
 
 
 def identical_retest(evidence: Any) -> dict[str, int] | None:
@@ -171,27 +256,48 @@ def _retest_kl_row(evidence: Any, gates: Any) -> dict[str, Any] | None:
 
 
 def test_lines(decision: dict) -> list[str]:
-    """One line per gate that ran the paired sign-flip test: its p-value and what it saw."""
+    """One line per gate the sequential test decided: its bounds, its status and its looks."""
     lines = []
     for row in decision.get("checks") or []:
         test = row.get("test") if isinstance(row, dict) else None
-        if isinstance(test, dict):
-            how = "exact" if test.get("exact") else (
-                f"{test.get('draws')} random flips, +/- {test.get('mc_standard_error'):.4f}")
-            lines.append(f"{plain(row['name'])} test: p = {test.get('p_value'):.4g} ({how}; "
-                         f"{test.get('differing_prompts')} of {test.get('prompts')} prompts "
-                         f"differ; mean difference {test.get('statistic'):+.4f} beyond the "
-                         f"margin {test.get('margin'):+g}); {detection_words(row['name'], test)}")
+        if not isinstance(test, dict) or not isinstance(test.get("lower_bound"), (int, float)):
+            continue
+        looks = test.get("looks") or []
+        lines.append(f"{plain(row['name'])} test: {_status_words(row['name'], test)}; "
+                     f"{int(test.get('observations') or 0)} {_unit(row['name'])} over "
+                     f"{len(looks)} look(s), mean "
+                     f"difference {test.get('mean') or 0.0:+.4f}, {1 - SIGNIFICANCE_LEVEL:.1%} "
+                     f"bounds [{test['lower_bound']:+.4f}, {test['upper_bound']:+.4f}] "
+                     f"(margin {test.get('margin'):+g}); "
+                     f"{detection_words(row['name'], test, test.get('spread'))}")
     return lines
 
 
-def detection_words(name: str, test: dict) -> str:
-    """What this re-test can resolve, from its own variance (significance.detectable_difference)."""
-    detectable, power = test.get("detectable_difference"), test.get("detection_power")
-    if not isinstance(detectable, (int, float)):
-        return "too few differing prompts to estimate what this re-test detects"
-    if test.get("alternative") == "less":
-        return (f"this guard set detects a loss of {-detectable:.3f} or more with probability "
-                f"{power} (raise guard.prompts to see a smaller one)")
-    return (f"this re-test detects a {name} gain of {detectable:+.3f} or more with probability "
-            f"{power} (raise eval_prompts to see a smaller one)")
+def _status_words(name: str, test: dict) -> str:
+    """What the gate's test concluded, in the words a reader acts on."""
+    status, guard = test.get("status"), name == "guard"
+    if status == "shown":
+        return "non-inferiority shown" if guard else "gain shown"
+    if status == "ruled_out":
+        return "loss beyond the margin shown" if guard else "gain ruled out at its minimum"
+    return ("non-inferiority not shown (raise guard.rounds: the test stays valid when a re-test "
+            "is extended)" if guard else
+            "gain not shown (raise eval_prompts: the test stays valid when a re-test is extended)")
+
+
+def detection_words(name: str, test: dict, spread: float | None = None) -> str:
+    """The smallest difference beyond the margin this re-test resolves with probability 0.8,
+    from its own per-prompt spread and prompt count (anytime.resolvable_difference)."""
+    observations = int(test.get("observations") or 0)
+    resolvable = resolvable_difference(spread, observations, test.get("margin") or 0.0) \
+        if spread is not None else None
+    if resolvable is None:
+        return "too few differing prompts to state what this re-test resolves"
+    what = "guard loss" if name == "guard" else f"{name} gain"
+    return (f"this re-test resolves a {what} of {resolvable:.3f} beyond the margin with "
+            f"probability 0.8 at {observations} {_unit(name)}")
+
+
+def _unit(name: str) -> str:
+    """What one observation of a gate's test is: a prompt (eval) or a paired sample (guard)."""
+    return "paired samples" if name == "guard" else "prompts"

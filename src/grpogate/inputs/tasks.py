@@ -180,14 +180,36 @@ def _generate(name: str, params: dict, n: int, seed: int) -> list[tuple[str, str
 
 
 def load_reasoning_gym(
-    name: str, params: dict, size: int, seed: int, exclude_ids: frozenset[str] = frozenset()
+    name: str, params: dict, size: int, seed: int, exclude_ids: frozenset[str] = frozenset(),
+    pool: int = 0,
 ) -> tuple[list[Problem], dict]:
-    """`size` distinct reasoning-gym problems, in generation order, none of them in `exclude_ids`.
+    """`size` distinct reasoning-gym problems, none of them in `exclude_ids`: the first `size`
+    in generation order, or (`pool` > 0) a seeded random order of the first `pool` distinct
+    problems (all of them when the task has fewer), cut to `size`.
 
     Generators repeat questions, and a train set must not overlap the eval set, so we draw more
     items than asked (2x, 4x, ...) and skip repeats and excluded ids. Generate the eval set
-    first and pass its ids here when loading the train set.
+    first and pass its ids here when loading the train set. A pool makes every prefix of the
+    set a uniform draw from one population: a generator's later distinct problems are not like
+    its early ones (easy questions repeat and are skipped), so a set in generation order gets
+    harder as it grows, and a sequential re-test's batches would not share a mean.
     """
+    if pool > size:
+        problems, identity = _distinct_problems(name, params, pool, seed, exclude_ids,
+                                                at_least=size)
+        random.Random(seed).shuffle(problems)
+        return problems[:size], identity | {"size": size, "pool": len(problems),
+                                            "order": "seeded shuffle of the pool"}
+    problems, identity = _distinct_problems(name, params, size, seed, exclude_ids)
+    return problems, identity
+
+
+def _distinct_problems(name: str, params: dict, size: int, seed: int,
+                       exclude_ids: frozenset[str], at_least: int | None = None
+                       ) -> tuple[list[Problem], dict]:
+    """Up to `size` distinct problems in generation order; fewer only when the task's space
+    is exhausted with at least `at_least` (default: `size`) found, else InputError."""
+    at_least = size if at_least is None else at_least
     if size <= 0:
         raise InputError(f"reasoning-gym task {name!r}: size must be a positive number of problems, got {size}")
     if not isinstance(params, dict):
@@ -212,11 +234,11 @@ def load_reasoning_gym(
         if len(seen) == seen_distinct:
             break
         seen_distinct = len(seen)
-    if len(problems) < size:
+    if len(problems) < at_least:
         raise InputError(
             f"reasoning-gym task {name!r} with params {params!r} (seed {seed}): could get only "
             f"{len(problems)} distinct problems from {generated} generated items "
-            f"({len(exclude_ids)} ids excluded); asked for {size}. Widen the params or ask for fewer."
+            f"({len(exclude_ids)} ids excluded); asked for {at_least}. Widen the params or ask for fewer."
         )
     identity = {
         "kind": "reasoning-gym",
@@ -288,7 +310,8 @@ def load_eval_set(task, eval_prompts: int, source: str = "",
                                         task.eval_seed)
     else:
         problems, identity = load_reasoning_gym(task.name, task.params, eval_prompts,
-                                                task.eval_seed, exclude_ids)
+                                                task.eval_seed, exclude_ids,
+                                                pool=getattr(task, "eval_pool", 0))
         if exclude_ids:
             identity["excluded_prompts"] = len(exclude_ids)
     check_problem_set(problems, "eval")

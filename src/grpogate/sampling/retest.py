@@ -30,11 +30,12 @@ def evaluate_policy(model, tokenizer, problems: list[Problem], prompt_token_ids:
                     settings: SamplingSettings, seed: int, mode=contextlib.nullcontext,
                     advance=None, prompt_indexes: list[int] | None = None,
                     shared_prefix: int | None = None, trace_prefix: str = "eval",
-                    keep: list | None = None, wrap=None) -> list[dict]:
+                    keep: list | None = None, wrap=None, sample_offset: int = 0) -> list[dict]:
     """Sample `group_size` fresh completions per eval prompt under `mode` and score them;
     `prompt_indexes`: the prompts' indexes in the eval set (their seeds; default 0, 1, ...).
     `keep`: a list the completions (with their token ids) are also appended to. `wrap`: a
-    function of the decode stepper built under `mode`, returning the one to sample with."""
+    function of the decode stepper built under `mode`, returning the one to sample with.
+    `sample_offset`: added to every record's sample index (a later round of the guard)."""
     with mode():
         stepper = engine_for(model).stepper(model)
         completions = generate_completions(model, tokenizer, prompt_token_ids, group_size,
@@ -52,9 +53,9 @@ def evaluate_policy(model, tokenizer, problems: list[Problem], prompt_token_ids:
             "policy": policy_name,
             "policy_version": policy_version,
             "prompt_id": problem.prompt_id,
-            "sample_index": completion.sample_index,
+            "sample_index": completion.sample_index + sample_offset,
             "trace_id": trace_id(f"{trace_prefix}-{policy_name}", 0, problem.prompt_id,
-                                 completion.sample_index),
+                                 completion.sample_index + sample_offset),
             "seed": seed,
             "verifier_version": verifier.version,
             "completion": completion.text,
@@ -69,7 +70,9 @@ def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]
                 config: RunConfig, candidate_version: str, reporter,
                 stop: StopRequest, world: World = SINGLE,
                 shared_prefix: int | None = None, *, group_size: int | None = None,
-                label: str = "re-test", drift: bool = False) -> tuple[list[dict], int] | None:
+                label: str = "re-test", drift: bool = False,
+                indexes: range | None = None, progress: str = "",
+                round_index: int = 0) -> tuple[list[dict], int] | None:
     """Fresh completions of the baseline, then the candidate, on the encoded eval prompts with
     the same seed; returns the records and the verifier errors (of every rank). None when a
     stop was requested (on any rank) before either policy's pass (a safe point).
@@ -77,10 +80,15 @@ def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]
     a caller re-testing a part of the eval set passes the whole set's. `group_size` (default
     eval_group_size) and `label` ("re-test", or "guard": its trace ids and progress line) serve
     the guard set; `drift` adds each completion's entropy and the candidate's KL to the
-    baseline (sampling/drift.py) to its record."""
+    baseline (sampling/drift.py) to its record. `indexes`: the set's positions to re-test
+    (default: all of them), one batch of the sequential re-test; each keeps its position's seed.
+    `progress`: the progress line's name (default `label`). `round_index` r: the guard's r-th
+    round over the same prompts, sampled at seed positions r x len(prompts) + i with sample
+    indexes from r x group_size, so no two rounds share a seed or a trace id."""
     group_size = group_size or config.eval_group_size
     errors_before = verifier.error_count
-    positions = shard(len(prompts), world)
+    indexes = range(len(prompts)) if indexes is None else indexes
+    positions = [indexes[k] for k in shard(len(indexes), world)]
     if shared_prefix is None:
         shared_prefix = shared_prefix_length(prompts) if prompts else 0
     mine: dict[str, tuple[list[dict], list]] = {}
@@ -91,16 +99,18 @@ def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]
         if agree_stop(world, stop):
             return None
         completions: list = []
-        with reporter.task(f"{label} {name}", len(prompts) * group_size) as advance:
+        with reporter.task(f"{progress or label} {name}", len(indexes) * group_size) as advance:
             records = evaluate_policy(
                 policy.model, policy.tokenizer, [problems[k] for k in positions],
                 [prompts[k] for k in positions], policy_name=name,
                 policy_version=version, verifier=verifier, group_size=group_size,
                 settings=sampling_settings(config), seed=eval_seed(config.seed),
-                mode=mode, advance=advance, prompt_indexes=positions,
+                mode=mode, advance=advance,
+                prompt_indexes=[round_index * len(prompts) + k for k in positions],
+                sample_offset=round_index * group_size,
                 shared_prefix=shared_prefix, trace_prefix="eval" if label == "re-test" else label,
                 keep=completions, wrap=lockstep and getattr(lockstep, name))
-            advance(len(prompts) * group_size - len(records))
+            advance(len(indexes) * group_size - len(records))
         mine[name] = (records, completions)
     if drift:
         values = (tuple([c.measured for c in completions] for _, completions in mine.values())

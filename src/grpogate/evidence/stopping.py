@@ -1,0 +1,133 @@
+"""The sequential re-test's stopping rule: which looks it takes and where it stops.
+
+Pure Python (no torch). The re-test samples the eval set in batches of prompts, in the set's
+drawn order (a prompt is one observation: its mean reward and pass@group differences), and the
+guard set in rounds: every guard problem answered `guard.group_size` more times by both policies
+(a paired sample is one observation). After each look every gate's anytime-valid test
+(evidence/anytime.py) is read on all the observations so far. Every round covers the whole
+guard population evenly, so the guard's bound is on the mean over its problems exactly, however
+their gains differ. A gate is decided when its test rejects one side:
+
+- reward, pass_at_group: gain shown (H0 "gain <= minimum" rejected) or ruled out (H0
+  "gain >= minimum" rejected: the gain lies below its minimum);
+- guard: non-inferiority shown (H0 "guard gain <= -maximum_guard_reward_loss" rejected) or a
+  loss shown (H0 "guard gain >= -maximum_guard_reward_loss" rejected).
+
+A decided gate stays decided (the tests' crossings are what Ville's inequality bounds). The
+re-test stops as soon as the decision is known: a gain ruled out or a loss shown (`tune`
+whatever comes next), or every gate shown. A set whose gates are all shown, or whose maximum
+is spent, takes no more batches while the other goes on. The run calls `walk_looks` after each
+batch with what it has sampled; `decide` calls it on the stored records, and a re-test that holds
+more or fewer prompts than the rule's stopping point is rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from grpogate.evidence.anytime import betting_test
+
+RULE = ("sequential: eval prompts in batches and guard samples in rounds; after each look, "
+        "every gate's anytime-valid betting test at 2.5 % on all observations so far; stop when "
+        "a gain is ruled out, a guard loss is shown, or every gate is shown; else at the maximum")
+
+
+def _gate(deltas: list[float], margin: float, decided: str | None) -> tuple[str | None, dict]:
+    """One gate at one look: its two one-sided tests at `margin` and its (sticky) status."""
+    lower = betting_test(deltas, margin, "greater")
+    upper = betting_test(deltas, margin, "less")
+    if decided is None:
+        decided = "shown" if lower["rejected"] else ("ruled_out" if upper["rejected"] else None)
+    spread = float(np.std(deltas, ddof=1)) if len(deltas) > 1 else None
+    return decided, {"observations": len(deltas), "mean": lower["mean"], "spread": spread,
+                     "lower_bound": lower["bound"], "upper_bound": upper["bound"],
+                     "log_capital_gain": lower["log_capital"],
+                     "log_capital_loss": upper["log_capital"], "status": decided or "open"}
+
+
+def walk_looks(reward: list[float], passed: list[float], guard: list[float] | None,
+               design: dict, margins: dict) -> dict:
+    """The looks the rule takes over the per-prompt differences available (each list in drawn
+    order; `guard` None when the guard is off).
+
+    design: {"eval_batch", "eval_max" (prompts), "guard_batch", "guard_max" (paired samples)}.
+    margins:
+    {"reward", "pass_at_group", "guard"} (the gates' minimums; the guard's is -delta).
+    Returns {"looks": [...], "complete": the rule stopped within the data, "eval_prompts",
+    "guard_samples" (where it stopped, or how far the data reaches), "next": (eval, guard)
+    observations the next look needs when not complete, "status": {gate: shown | ruled_out | open},
+    "reason"}.
+    """
+    status: dict[str, str | None] = {"reward": None, "pass_at_group": None}
+    if guard is not None:
+        status["guard"] = None
+    seen_eval = seen_guard = 0
+    eval_open, guard_open = True, guard is not None and design["guard_max"] > 0
+    looks: list[dict] = []
+    while True:
+        want_eval = min(seen_eval + design["eval_batch"], design["eval_max"]) if eval_open \
+            else seen_eval
+        want_guard = min(seen_guard + design["guard_batch"], design["guard_max"]) \
+            if guard_open else seen_guard
+        if want_eval > len(reward) or (guard is not None and want_guard > len(guard)):
+            return _walked(looks, status, seen_eval, seen_guard, (want_eval, want_guard), None)
+        seen_eval, seen_guard = want_eval, want_guard
+        look = {"look": len(looks) + 1, "eval_prompts": seen_eval, "guard_samples": seen_guard}
+        status["reward"], look["reward"] = _gate(reward[:seen_eval], margins["reward"],
+                                                 status["reward"])
+        status["pass_at_group"], look["pass_at_group"] = _gate(
+            passed[:seen_eval], margins["pass_at_group"], status["pass_at_group"])
+        if guard is not None:
+            status["guard"], look["guard"] = _gate(guard[:seen_guard], margins["guard"],
+                                                   status["guard"])
+        looks.append(look)
+        reason = _stop_reason(status, seen_eval, seen_guard, design, guard is not None)
+        if reason is not None:
+            return _walked(looks, status, seen_eval, seen_guard, None, reason)
+        eval_open = seen_eval < design["eval_max"] and not (
+            status["reward"] == "shown" and status["pass_at_group"] == "shown")
+        guard_open = guard is not None and seen_guard < design["guard_max"] and \
+            status["guard"] is None
+
+
+def _stop_reason(status: dict, seen_eval: int, seen_guard: int, design: dict,
+                 guarded: bool) -> str | None:
+    """Why the re-test stops after this look, or None while a gate is open with room left."""
+    if status["reward"] == "ruled_out" or status["pass_at_group"] == "ruled_out":
+        return "a gain is ruled out at its minimum"
+    if guarded and status["guard"] == "ruled_out":
+        return "a guard loss beyond the margin is shown"
+    if all(value == "shown" for value in status.values()):
+        return "every gate is shown"
+    eval_done = seen_eval >= design["eval_max"] or (
+        status["reward"] == "shown" and status["pass_at_group"] == "shown")
+    guard_done = not guarded or seen_guard >= design["guard_max"] or status["guard"] is not None
+    if eval_done and guard_done:
+        return "the maximum re-test is spent"
+    return None
+
+
+def _walked(looks: list[dict], status: dict, seen_eval: int, seen_guard: int,
+            wanted: tuple[int, int] | None, reason: str | None) -> dict:
+    return {"looks": looks, "complete": reason is not None, "eval_prompts": seen_eval,
+            "guard_samples": seen_guard, "next": list(wanted) if wanted else None,
+            "status": {name: value or "open" for name, value in status.items()},
+            "reason": reason}
+
+
+def design_of(config: Any) -> dict | None:
+    """The rule's batch sizes and maxima from a run's config (a dict, as recorded), or None for
+    a config that predates the sequential re-test. Eval: prompts (a batch larger than the set is
+    the whole set). Guard: paired samples, a round of `group_size` per problem at each look.
+    Under the point-estimate rule the re-test is one look: every eval prompt, one guard round."""
+    if not isinstance(config, dict) or "eval_batch_prompts" not in config:
+        return None
+    guard = config.get("guard") or {}
+    sequential = (config.get("gates") or {}).get("require_significant_gain") is True
+    eval_max = int(config["eval_prompts"])
+    guard_round = int(guard.get("prompts") or 0) * int(guard.get("group_size") or 0)
+    return {"eval_batch": min(int(config["eval_batch_prompts"]), eval_max) if sequential
+            else eval_max, "eval_max": eval_max, "guard_batch": guard_round,
+            "guard_max": guard_round * (int(guard.get("rounds") or 1) if sequential else 1)}
