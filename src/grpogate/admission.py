@@ -13,6 +13,7 @@ with the same message.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -23,6 +24,7 @@ import torch
 
 from grpogate.config import RunConfig
 from grpogate.errors import InputError
+from grpogate.evidence import stopping
 from grpogate.evidence.assemble import library_versions
 from grpogate.evidence.manifest import read_baseline_manifest
 from grpogate.evidence.trackers import check_trackers
@@ -160,9 +162,21 @@ def dry_run(config: RunConfig) -> dict:
             "memory_estimate_bytes": estimate, "verifier": admission.verifier.version,
             "rewards": admission.reward_set.describe(), "train_prompts": len(admission.train),
             "eval_prompts": len(admission.eval), "guard_prompts": len(admission.guard),
-            "steps": config.steps,
+            "steps": config.steps, "retest_plan": retest_plan(config),
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "libraries": library_versions()}
+
+
+def retest_plan(config: RunConfig) -> dict | None:
+    """The sequential re-test's looks, most completions and what it resolves at its maximum,
+    at the default's measured spreads (stopping.plan); None under a config without it."""
+    design = stopping.design_of(config.to_dict())
+    if design is None:
+        return None
+    gates = dataclasses.asdict(config.gates)
+    return stopping.plan(design, config.eval_group_size, stopping.margins_of(gates),
+                         stopping.PLANNING_SPREADS) | {
+        "spreads_from": "the default's re-test (seed 42); a finished run states its own"}
 
 
 def dry_run_checks(admission, source) -> int:

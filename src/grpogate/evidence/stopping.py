@@ -23,11 +23,12 @@ more or fewer prompts than the rule's stopping point is rejected.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-from grpogate.evidence.anytime import betting_test
+from grpogate.evidence.anytime import betting_test, resolvable_difference
 
 RULE = ("sequential: eval prompts in batches and guard samples in rounds; after each look, "
         "every gate's anytime-valid betting test at 2.5 % on all observations so far; stop when "
@@ -131,3 +132,38 @@ def design_of(config: Any) -> dict | None:
     return {"eval_batch": min(int(config["eval_batch_prompts"]), eval_max) if sequential
             else eval_max, "eval_max": eval_max, "guard_batch": guard_round,
             "guard_max": guard_round * (int(guard.get("rounds") or 1) if sequential else 1)}
+
+
+# The per-observation spreads the plan assumes before a run has its own: those of the default's
+# re-test at seed 42 (docs/measurements.md, "The sequential re-test on the default"): eval
+# per-prompt reward and pass@4 differences, guard per-sample differences.
+PLANNING_SPREADS = {"reward": 0.36, "pass_at_group": 0.52, "guard": 0.58}
+
+
+def margins_of(gates: dict) -> dict:
+    """Each gate's margin for the tests, from a gates table: the gains' minimums and the
+    guard's -maximum_guard_reward_loss."""
+    return {"reward": float(gates["minimum_reward_gain"]),
+            "pass_at_group": float(gates["minimum_pass_at_group_gain"]),
+            "guard": 0.0 - float(gates["maximum_guard_reward_loss"])}
+
+
+def plan(design: dict, eval_group_size: int, margins: dict, spreads: dict) -> dict:
+    """What the re-test can cost and resolve, before it runs: its looks, the most completions
+    it samples (both policies), and the smallest reward gain, pass@group gain and guard margin
+    it resolves at its maximum with probability 0.8 when the per-observation differences have
+    the standard deviations `spreads` {"reward", "pass_at_group", "guard"}
+    (anytime.resolvable_difference). A guard figure at or below the margin's size means a
+    candidate as good as the baseline there is shown non-inferior with probability >= 0.8."""
+    looks = math.ceil(design["eval_max"] / design["eval_batch"])
+    rounds = design["guard_max"] // design["guard_batch"] if design["guard_batch"] else 0
+    return {"eval_looks": looks, "guard_rounds": rounds,
+            "max_completions": 2 * (design["eval_max"] * eval_group_size + design["guard_max"]),
+            "spreads": dict(spreads),
+            "resolvable_reward_gain": resolvable_difference(
+                spreads["reward"], design["eval_max"], margins["reward"]),
+            "resolvable_pass_at_group_gain": resolvable_difference(
+                spreads["pass_at_group"], design["eval_max"], margins["pass_at_group"]),
+            "resolvable_guard_gain_beyond_margin": resolvable_difference(
+                spreads["guard"], design["guard_max"], margins["guard"])
+            if design["guard_max"] else None}

@@ -25,6 +25,7 @@ import torch
 from grpogate.config import BUNDLED_MODEL, resume_config
 from grpogate.errors import InputError, first_line
 from grpogate.evidence.assemble import library_versions
+from grpogate.evidence import stopping
 from grpogate.evidence.audit import reload_problem_sets
 from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.files import ADAPTER_WEIGHTS, lies_inside, parse_json, read_confined, read_jsonl
@@ -42,11 +43,21 @@ ENVIRONMENT_KEYS = ("python", "platform", "torch", "transformers", "peft", "safe
                     "torch_threads", "device", "dtype", "native_kernels")
 
 
-def replay_prompt_count(config, asked: int) -> int:
-    """`asked` rounded up to whole decode batches of the run's layout. Draws are per prompt,
-    but reduced-precision kernels (bf16) may still round a row differently in another batch."""
-    prompts_per_batch = max(1, config.generation_batch_size // config.eval_group_size)
-    return min(config.eval_prompts, math.ceil(asked / prompts_per_batch) * prompts_per_batch)
+def replay_batch(config) -> int:
+    """The eval prompts the run decoded together: a look of the sequential re-test, within
+    whole decode batches (stopping.design_of)."""
+    design = stopping.design_of(dataclasses.asdict(config)) or {"eval_batch": config.eval_prompts}
+    return max(1, min(config.generation_batch_size // config.eval_group_size,
+                      design["eval_batch"]))
+
+
+def replay_prompt_count(config, asked: int, answered: int | None = None) -> int:
+    """`asked` rounded up to whole decode batches of the run's layout, within the prompts the
+    re-test answered (`answered`; default eval_prompts). Draws are per prompt, but
+    reduced-precision kernels (bf16) may still round a row differently in another batch."""
+    prompts_per_batch = replay_batch(config)
+    limit = config.eval_prompts if answered is None else min(answered, config.eval_prompts)
+    return min(limit, math.ceil(asked / prompts_per_batch) * prompts_per_batch)
 
 
 def replay_retest(run_dir: str | Path, prompts: int) -> dict:
@@ -66,7 +77,9 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
         raise InputError(f"{run_dir}: the run stopped before its re-test; there is nothing to "
                          "replay (resume it first)")
     config = resume_config(evidence["config"], f"{run_dir}/evidence.json")
-    count = replay_prompt_count(config, prompts)
+    answered = ((evidence.get("comparison") or {}).get("baseline") or {}).get("prompt_count")
+    count = replay_prompt_count(config, prompts,
+                                answered if isinstance(answered, int) else None)
     differences = _environment_differences(evidence.get("environment") or {}, config)
     torch.set_num_threads(int((evidence.get("environment") or {}).get("torch_threads")
                               or torch.get_num_threads()))
@@ -76,15 +89,21 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
     if recorded_engine is not None and recorded_engine != engine:  # runs before it: not recorded
         differences["engine"] = {"recorded": recorded_engine, "now": engine}
     eval_set = _eval_set(run_dir, evidence)
-    problems = eval_set[:count]
     # All eval prompts are encoded: the decoder's shared prefix is fixed over the whole set, as
     # in the run (a prefix of only the first prompts could be longer and round differently).
     encoded = encode_prompts(policy.tokenizer, eval_set, config.resolved_system_prompt(),
                              config.max_prompt_tokens)
     verifier = get_verifier(evidence["inputs"]["verifier"]["name"])
-    replayed, _ = retest_both(policy, problems, encoded[:count], verifier, config,
-                              evidence["artifact"]["new_policy_version"], NullReporter(),
-                              StopRequest(), shared_prefix=shared_prefix_length(encoded))
+    replayed, batch = [], replay_batch(config)
+    by_policy: dict[str, list] = {"baseline": [], "candidate": []}
+    for start in range(0, count, batch):  # the run's looks: the same rows decoded together
+        records, _ = retest_both(policy, eval_set, encoded, verifier, config,
+                                 evidence["artifact"]["new_policy_version"], NullReporter(),
+                                 StopRequest(), shared_prefix=shared_prefix_length(encoded),
+                                 indexes=range(start, min(start + batch, count)))
+        for record in records:
+            by_policy[record["policy"]].append(record)
+    replayed = by_policy["baseline"] + by_policy["candidate"]
     stored = {(r.get("policy"), r.get("prompt_id"), r.get("sample_index")): (number, r)
               for number, r in enumerate(read_jsonl(run_dir / "eval_completions.jsonl"), 1)}
     mismatches, equal = [], 0

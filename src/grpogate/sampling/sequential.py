@@ -9,6 +9,7 @@ function `decide` walks over the stored records.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from grpogate.config import RunConfig
@@ -46,13 +47,6 @@ def differences(records: list[dict], group_size: int, max_new_tokens: int
     return reward, passed
 
 
-def margins_of(config: RunConfig) -> dict:
-    gates = config.gates
-    return {"reward": gates.minimum_reward_gain,
-            "pass_at_group": gates.minimum_pass_at_group_gain,
-            "guard": 0.0 - gates.maximum_guard_reward_loss}
-
-
 def sequential_retest(policy: Policy, eval_set: RetestSet, guard_set: RetestSet | None,
                       config: RunConfig, candidate_version: str, reporter, stop: StopRequest,
                       world: World = SINGLE) -> tuple[list[dict], list[dict], int] | None:
@@ -66,7 +60,8 @@ def sequential_retest(policy: Policy, eval_set: RetestSet, guard_set: RetestSet 
         reward, passed = differences(sampled["re-test"], eval_set.group_size,
                                      config.max_new_tokens)
         guard = None if guard_set is None else sample_differences(sampled["guard"])
-        walked = stopping.walk_looks(reward, passed, guard, design, margins_of(config))
+        walked = stopping.walk_looks(reward, passed, guard, design,
+                                     stopping.margins_of(dataclasses.asdict(config.gates)))
         if walked["complete"]:
             reporter.log(f"re-test stopped at look {len(walked['looks'])}: {walked['reason']} "
                          f"({walked['eval_prompts']} eval prompts, {walked['guard_samples']} "
