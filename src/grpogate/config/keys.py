@@ -34,6 +34,8 @@ KEY_HELP = {
                        "one split holds out eval_prompts rows instead)",
     "task.train_seed": "seed of the training problems (reasoning-gym generation or gsm8k rows)",
     "task.eval_seed": "seed of the held-out problems; never overlapping the training set",
+    "task.eval_pool": "reasoning-gym: the held-out problems are a seeded draw from this many "
+                      "distinct ones (0: the first in generation order)",
     "task.prompt_field": "dataset: the prompt column, a string or one user chat message",
     "task.reference_field": "dataset: the reference column (dotted path); answer also finds "
                             "TRL's solution and verl's reward_model.ground_truth",
@@ -43,7 +45,8 @@ KEY_HELP = {
     "verifier": "reward verifier; empty: the task's own (reasoning-gym scorer, gsm8k number)",
     "system_prompt": "system message of every prompt; empty: the task's default",
     "train_prompts": "training problems in all (steps x prompts_per_step)",
-    "eval_prompts": "held-out problems the baseline and candidate are re-tested on",
+    "eval_prompts": "the most held-out problems the baseline and candidate are re-tested on",
+    "eval_batch_prompts": "held-out problems added at each look of the sequential re-test",
     "steps": "training steps: sets train_prompts = steps x prompts_per_step",
     "group_size": "G: completions sampled per prompt (TRL num_generations)",
     "eval_group_size": "completions per held-out prompt in the re-test (pass@k's k)",
@@ -100,16 +103,18 @@ KEY_HELP = {
     "gates.minimum_pass_at_group_gain": "tune unless re-test pass@k gains at least this",
     "gates.maximum_max_length_hit_ratio": "tune if more completions than this hit max_new_tokens",
     "gates.maximum_peak_allocated_bytes": "tune if peak memory exceeds this",
-    "gates.require_significant_gain": "true: gain gates pass when a one-sided paired sign-flip test "
-                                      "rejects 'gain <= minimum' at 2.5 %; false: the point "
+    "gates.require_significant_gain": "true: the gain gates pass when an anytime-valid test shows "
+                                      "'gain > minimum' at 2.5 % on the sequential re-test, the "
+                                      "guard when it shows non-inferiority; false: the point "
                                       "estimate (the reference profile's gates)",
     "gates.maximum_retest_kl": "tune if the candidate's mean per-token KL to the baseline on the "
                                "re-test's fresh completions exceeds this; 0: off (still recorded)",
-    "gates.maximum_guard_reward_loss": "tune if the candidate is worse on the guard set by more "
-                                       "than this (a one-sided paired test rejects 'guard gain >= "
-                                       "-this' at 2.5 %; 0: any significant loss)",
-    "guard.prompts": "guard problems both policies also answer in the re-test; 0: guard off",
-    "guard.group_size": "completions per guard problem",
+    "gates.maximum_guard_reward_loss": "the guard's non-inferiority margin: tune unless the re-test "
+                                       "shows the guard gain above -this (its lower bound at 97.5 %)",
+    "guard.prompts": "guard problems (the guard's population) both policies answer in each round "
+                     "of the re-test; 0: guard off",
+    "guard.group_size": "completions per guard problem and policy in each round",
+    "guard.rounds": "the most guard rounds the sequential re-test takes",
     "guard.task": "the guard's reasoning-gym dataset: a neighbouring task the update must not damage",
     "guard.params": "the guard generator's keyword arguments",
     "guard.seed": "seed of the guard problems; never overlapping the train and eval sets",

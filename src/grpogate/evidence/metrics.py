@@ -286,6 +286,24 @@ def paired_comparison(
     }
 
 
+def per_prompt_deltas(baseline: list, candidate: list, field: str) -> list[float] | None:
+    """candidate - baseline of `field` per prompt id (float(True) = 1 for `passed`), in the
+    baseline's order; None when the two lists do not pair (ids differ, a value is not a finite
+    number): the decision fails the gate rather than guess."""
+    try:
+        base = {str(p["prompt_id"]): p[field] for p in baseline}
+        cand = {str(p["prompt_id"]): p[field] for p in candidate}
+    except (TypeError, KeyError):
+        return None
+    if not all(isinstance(v, (int, float)) for v in [*base.values(), *cand.values()]):
+        return None
+    if not base or set(base) != set(cand) or len(base) != len(baseline) or len(cand) != len(
+            candidate):
+        return None
+    deltas = [float(cand[key]) - float(base[key]) for key in base]
+    return deltas if all(math.isfinite(d) for d in deltas) else None
+
+
 # ---- training rollouts (docs/design.md §3) -------------------------------------------------------------
 
 

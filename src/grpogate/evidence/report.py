@@ -19,7 +19,7 @@ from pathlib import Path
 from grpogate.config import profile_note
 from grpogate.errors import InputError
 from grpogate.evidence.decisions import gain_rule, gain_rule_line, no_change_reason
-from grpogate.evidence.retest_checks import test_lines
+from grpogate.evidence.retest_checks import SEQUENTIAL_RULE, test_lines
 from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.evidence.report_html import _STYLE, _e, _fmt, _h2, _img, _table
 from grpogate.evidence.report_figures import paired_prompts, render_all, stage_seconds
@@ -68,7 +68,7 @@ def gates_section(evidence: dict) -> str:
     verdict = str(decision.get("decision", "unknown"))
     failed = ", ".join(decision.get("failed_checks") or []) or "none"
     gain_measure = gain_rule((evidence.get("config") or {}).get("gates"))
-    significant = gain_measure == "paired sign-flip test"
+    significant = gain_measure == SEQUENTIAL_RULE
     rows = []
     for check in decision.get("checks") or []:
         unit = "bytes" if check.get("name") == "memory" else ""
@@ -91,7 +91,8 @@ def gates_section(evidence: dict) -> str:
             + '<p class="note">' + _e(gain_rule_line((evidence.get("config") or {}).get("gates")))
             + ". The gains are scored by the correctness verifier alone, whatever reward "
             "components the training used"
-            + ("; a test's p-value is the value of its row" if significant else "") + ".</p>"
+            + ("; a test's lower confidence bound is the value of its row" if significant
+               else "") + ".</p>"
             + "".join(f'<p class="note">{_e(line)}</p>' for line in test_lines(decision)))
 
 

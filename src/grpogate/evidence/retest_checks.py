@@ -16,9 +16,9 @@ from typing import Any
 
 from grpogate.errors import plain
 from grpogate.evidence import stopping
+from grpogate.evidence.metrics import per_prompt_deltas
 from grpogate.evidence.anytime import SIGNIFICANCE_LEVEL, resolvable_difference
 from grpogate.evidence.check_rows import _gate_row, _get, _retest_skipped, _row
-from grpogate.evidence.significance import per_prompt_deltas
 from grpogate.gates import finite_number
 
 SEQUENTIAL_RULE = "anytime-valid sequential test"

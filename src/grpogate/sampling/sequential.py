@@ -16,7 +16,7 @@ from grpogate.config import RunConfig
 from grpogate.distributed import SINGLE, World
 from grpogate.evidence import metrics, stopping
 from grpogate.evidence.guard import sample_differences
-from grpogate.evidence.significance import per_prompt_deltas
+from grpogate.evidence.metrics import per_prompt_deltas
 from grpogate.inputs.policy import Policy
 from grpogate.interrupts import StopRequest
 from grpogate.sampling.retest import retest_both
