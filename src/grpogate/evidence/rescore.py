@@ -48,6 +48,7 @@ ANNOUNCE_AFTER_SECONDS = 30.0  # a worst case past this is announced before the 
 MAX_PROMPTS = 10_000_000  # train, eval and guard set sizes; prompts per step
 MAX_GROUP_SIZE = 65_536  # group_size, eval_group_size, guard.group_size
 MAX_GENERATION_ROUNDS = 1_000
+MAX_GUARD_ROUNDS = 1_000  # the sequential re-test's guard rounds (16 by default)
 MAX_STEPS = 1_000_000
 
 
@@ -65,7 +66,8 @@ def record_limits(config: dict) -> dict[str, int]:
     """The most records a real run of `config` writes: trajectories, steps x prompts_per_step x
     group_size x generation rounds (dynamic sampling refills at most a step's prompts per round);
     the re-test, both policies x eval_prompts x eval_group_size; the guard set, both policies x
-    its prompts x its group size; problems.jsonl, the train, eval and guard sets. InputError
+    its prompts x its group size x its rounds (1 for a run recorded before rounds);
+    problems.jsonl, the train, eval and guard sets. InputError
     when a count the bound is made of is not a positive integer within its cap."""
     def count(key: str, cap: int, default: Any = None) -> int:
         return _count(config, key, cap, key, default)
@@ -78,12 +80,13 @@ def record_limits(config: dict) -> dict[str, int]:
     retest = 2 * eval_prompts * count("eval_group_size", MAX_GROUP_SIZE)
     guard = config.get("guard") if isinstance(config.get("guard"), dict) else {}
     # both policies on the guard set; none when the guard is off or its size unreadable
-    guard_size = (0, 0)
+    guard_size = (0, 0, 0)
     if all(type(guard.get(key)) is int and guard[key] > 0 for key in ("prompts", "group_size")):
         guard_size = (_count(guard, "prompts", MAX_PROMPTS, "guard.prompts"),
-                      _count(guard, "group_size", MAX_GROUP_SIZE, "guard.group_size"))
+                      _count(guard, "group_size", MAX_GROUP_SIZE, "guard.group_size"),
+                      _count(guard, "rounds", MAX_GUARD_ROUNDS, "guard.rounds", 1))
     return {"trajectories.jsonl": trajectories, "eval_completions.jsonl": retest,
-            GUARD_FILE: 2 * guard_size[0] * guard_size[1],
+            GUARD_FILE: 2 * guard_size[0] * guard_size[1] * guard_size[2],
             PROBLEMS_FILE: train + eval_prompts + guard_size[0]}
 
 
