@@ -98,18 +98,27 @@ def refused(tmp_path, path, *fragments: str, sets=(), kind="task", within=30.0, 
 
 # --- issue 60: the reader's own words --------------------------------------------------------
 
-def test_a_latin1_byte_names_its_line_and_byte(tmp_path):
+@pytest.mark.parametrize("kind", ["task", "train"])
+def test_a_latin1_byte_names_its_line_and_byte(tmp_path, kind):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(jsonl_bytes(rows()[:5]) + b'{"prompt": "caf\xe9?", "answer": 2}\n'
                      + jsonl_bytes(rows()[6:]))
-    refused(tmp_path, path, f"{path}:6: not UTF-8 text (byte 0xe9 at column 16)")
+    refused(tmp_path, path, f"{path}:6: not UTF-8 text (byte 0xe9 at column 16)", kind=kind)
 
 
-def test_a_jsonl_cut_off_at_row_18_names_line_18(tmp_path):
+@pytest.mark.parametrize("kind", ["task", "train"])
+def test_a_jsonl_cut_off_at_row_18_names_line_18(tmp_path, kind):
     lines = jsonl_bytes(rows()).decode().splitlines(True)
     path = tmp_path / "cut.jsonl"
     path.write_text("".join(lines[:17]) + lines[17][:20])
-    refused(tmp_path, path, f"{path}:18: not valid JSON (Unterminated string")
+    refused(tmp_path, path, f"{path}:18: not valid JSON (Unterminated string starting at "
+                            "column 12)", kind=kind)
+
+
+def test_a_train_data_fifo_is_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "train.jsonl")
+    refused(tmp_path, tmp_path / "train.jsonl", "train.jsonl: not a regular file", kind="train",
+            within=10)
 
 
 @pytest.mark.parametrize("name, text", [("empty.jsonl", ""), ("header.csv", "prompt,answer\n"),

@@ -120,7 +120,9 @@ def json_value(text: str, where: str, limits: TableLimits):
         return json.loads(text)
     except (json.JSONDecodeError, ValueError, RecursionError) as error:
         reason = error.msg if isinstance(error, json.JSONDecodeError) else str(error)
-        column = f", column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""
+        column = ""
+        if isinstance(error, json.JSONDecodeError):
+            column = f"{'' if reason.endswith(' at') else ','} column {error.colno}"
         raise InputError(f"{where}: not valid JSON ({reason}{column}); the line may be cut "
                          "off") from None
 
