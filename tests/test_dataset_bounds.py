@@ -347,3 +347,29 @@ def test_prompt_ids_and_the_isolation_rule_fold_the_same_characters():
     import hashlib
     assert prompt_id(plain) == hashlib.sha256(b"what is 2 + 3?").hexdigest()[:16]
     assert prompt_id("What is 2 + 3 ?") != prompt_id(plain)  # a space inside a word run stays
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("latin1.jsonl", jsonl_bytes(rows()[:5]) + b'{"prompt": "caf\xe9?", "answer": 2}\n',
+     ":6: not UTF-8 text"),
+    ("cut.jsonl", jsonl_bytes(rows())[:-30], ":40: not valid JSON"),
+    ("empty.jsonl", b"", ": no rows")])
+def test_the_run_command_says_it_in_one_line_and_leaves_no_cache(tmp_path, tiny_model_dir, name,
+                                                                 content, expected):
+    """Issue 60's three files through `grpogate run --dry-run` itself: exit 2, one error line
+    naming the file and line, no traceback, nothing in HF_HOME, nothing written."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    cache, out = tmp_path / "hf-home", tmp_path / "run"
+    cache.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HOME": str(cache), "COLUMNS": "200",
+           "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "grpogate", "run", "--profile", "smoke", "--model",
+         str(tiny_model_dir), "--task", f"dataset:{path}", "--dry-run", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, env=env,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 * CAP, 4 * CAP)))
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, lines[-5:]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}{expected}"), lines
+    assert list(cache.rglob("*")) == [] and not out.exists()
