@@ -373,3 +373,31 @@ def test_the_run_command_says_it_in_one_line_and_leaves_no_cache(tmp_path, tiny_
     assert result.returncode == 2 and "Traceback" not in result.stderr, lines[-5:]
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}{expected}"), lines
     assert list(cache.rglob("*")) == [] and not out.exists()
+
+
+def test_train_data_records_the_hash_of_the_bytes_read_and_decide_rehashes_it(tmp_path):
+    """gate --train-data: the identity holds sha256(sha256(name + bytes)) of the JSONL read
+    (computed here with hashlib), and the audit re-hashes it: a changed file is a mismatch."""
+    import hashlib
+
+    from grpogate.config import load_config
+    from grpogate.evidence.audit_files import Audit
+    from grpogate.evidence.table_audit import check_table_identity
+    from grpogate.inputs.training_prompts import training_problems
+
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(jsonl_bytes(rows(5)))
+    _, identity, _, _ = training_problems(load_config("smoke"), str(path), False,
+                                          lambda m, w: "")
+    inner = hashlib.sha256(b"train.jsonl" + path.read_bytes()).digest()
+    assert identity["sha256"] == hashlib.sha256(inner).hexdigest()
+    assert identity["files"] == ["train.jsonl"]
+    evidence = {"config": {"task": {"source": "reasoning-gym"}},
+                "inputs": {"train_set": identity}}
+    audit = Audit()
+    check_table_identity(audit, evidence)
+    assert audit.mismatches == []
+    path.write_bytes(jsonl_bytes(rows(6)))
+    check_table_identity(audit, evidence)
+    assert [m["field"] for m in audit.mismatches] == [
+        f"inputs.train_set.sha256 (the table {path}, re-hashed)"]

@@ -8,7 +8,8 @@ run's own bounds, and a table changed (a file's bytes, a file of a folder gone, 
 a regular file inside its folder) is a mismatch: decide says `reject`, naming the field. A
 table no longer at its path at all is not re-hashed: decide judges a run directory that
 travelled without its table from problems.jsonl alone (docs/design.md §7). A hub table
-recorded no file hash and is not re-hashed either.
+recorded no file hash and is not re-hashed either. A gate's `--train-data` file (the
+isolation check's input, inputs.train_set.data_file) is re-hashed the same way.
 """
 
 from __future__ import annotations
@@ -31,19 +32,27 @@ def _limits(task: dict) -> TableLimits:
         for key in keys}))
 
 
-def check_table_identity(audit, evidence: dict) -> None:
-    """Each recorded dataset table (train and eval sets share one) re-hashed and compared."""
+def _recorded_tables(evidence: dict):
+    """(split key, table path, recorded sha256, recorded files) of each table the evidence
+    says was read: a dataset task's (its `file`), and a gate's --train-data (`data_file`)."""
     task = (evidence.get("config") or {}).get("task") or {}
-    if not isinstance(task, dict) or task.get("source") != "dataset":
-        return
-    checked = set()
     for split in ("train_set", "eval_set"):
         identity = (evidence.get("inputs") or {}).get(split)
-        if not isinstance(identity, dict) or identity.get("kind") != "dataset":
+        if not isinstance(identity, dict):
             continue
-        source, recorded = identity.get("file"), identity.get("sha256")
-        if recorded is None and "files" not in identity:
-            continue  # a hub table: no file hash recorded
+        if identity.get("kind") == "dataset" and task.get("source") == "dataset":
+            if identity.get("sha256") is not None or "files" in identity:  # hub: no hash
+                yield split, identity.get("file"), identity.get("sha256"), identity.get("files")
+        elif "data_file" in identity and "files" in identity:
+            yield split, identity["data_file"], identity.get("sha256"), identity["files"]
+
+
+def check_table_identity(audit, evidence: dict) -> None:
+    """Each recorded table (train and eval sets may share one) re-hashed and compared."""
+    task = (evidence.get("config") or {}).get("task")
+    limits = _limits(task if isinstance(task, dict) else {})
+    checked = set()
+    for split, source, recorded, files in _recorded_tables(evidence):
         if (source, recorded) in checked or (isinstance(source, str)
                                              and not os.path.lexists(source)):
             continue
@@ -52,7 +61,6 @@ def check_table_identity(audit, evidence: dict) -> None:
         try:
             if not isinstance(source, str):
                 raise InputError("no table path recorded")
-            audit.compare(field, recorded, table_sha256(source, identity.get("files"),
-                                                        _limits(task)))
+            audit.compare(field, recorded, table_sha256(source, files, limits))
         except InputError as error:
             audit.mismatch(field, recorded, f"not re-hashed: {error}")

@@ -71,10 +71,16 @@ class Staged:
     _digests: dict[str, bytes] = field(default_factory=dict)
 
     def sha256(self) -> str:
-        digest = hashlib.sha256()
-        for name in sorted(self._digests):
-            digest.update(self._digests[name])
-        return digest.hexdigest()
+        return table_digest(self._digests)
+
+
+def table_digest(file_digests: dict[str, bytes]) -> str:
+    """The table's identity: sha256 over its files' own sha256 digests (each over the file's
+    relative name then its bytes), in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(file_digests):
+        digest.update(file_digests[name])
+    return digest.hexdigest()
 
 
 @contextlib.contextmanager
@@ -230,10 +236,7 @@ def table_sha256(source: str, names: list, limits: TableLimits) -> str:
                 digest.update(block)
                 size -= len(block)
         digests[name] = digest.digest()
-    outer = hashlib.sha256()
-    for name in sorted(digests):
-        outer.update(digests[name])
-    return outer.hexdigest()
+    return table_digest(digests)
 
 
 def identity_names(staged: Staged) -> list[str]:
