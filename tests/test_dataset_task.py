@@ -142,6 +142,20 @@ def test_a_verl_parquet_runs_to_a_decision_that_decide_recomputes(tables, tiny_m
     assert audit["mismatches"] == []
     assert audit["decision"] == evidence["decision"]["decision"]
     assert replayed["compared"] == replayed["equal"] > 0
+    # A table still at its path but changed since the run is a mismatch: decide re-hashes the
+    # files the run read (inputs.*_set.files) and rejects.
+    original = tables["verl"].read_bytes()
+    try:
+        write_parquet(tables["verl"], verl_rows(301))
+        changed = CliRunner().invoke(app, ["decide", str(out), "--json",
+                                           "--trust-reward-code", reward])
+    finally:
+        tables["verl"].write_bytes(original)
+    text = changed.stdout
+    verdict = json.loads(text[text.index("\n{") + 1:] if not text.startswith("{") else text)
+    assert verdict["decision"] == "reject", verdict
+    assert [m["field"] for m in verdict["mismatches"]] == [
+        f"inputs.train_set.sha256 (the table {tables['verl']}, re-hashed)"]
 
 
 @pytest.mark.parametrize("name", ["trl", "csv", "saved"])

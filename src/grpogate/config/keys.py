@@ -42,6 +42,12 @@ KEY_HELP = {
     "task.verifier": "dataset: number (last number equals the reference's), math "
                      "(math-verify) or exact (final answer equals the reference, whitespace "
                      "stripped); empty: number",
+    "task.max_table_bytes": "dataset / --train-data: most bytes of a table's files (read and "
+                            "decoded), checked before datasets builds anything",
+    "task.max_table_rows": "dataset / --train-data: most rows of a table, all splits together",
+    "task.max_cell_chars": "dataset / --train-data: longest text cell in characters (a JSONL "
+                           "or CSV line holds at most 4 bytes a character of it)",
+    "task.max_nesting_depth": "dataset / --train-data: deepest nesting of a row (lists, objects)",
     "verifier": "reward verifier; empty: the task's own (reasoning-gym scorer, gsm8k number)",
     "system_prompt": "system message of every prompt; empty: the task's default",
     "train_prompts": "training problems in all (steps x prompts_per_step)",

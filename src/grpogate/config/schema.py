@@ -51,6 +51,12 @@ class TaskConfig:
     prompt_field: str = "prompt"
     reference_field: str = "answer"
     verifier: str = ""
+    # dataset and gate --train-data: the bounds a table's files are held to before Hugging Face
+    # datasets builds anything (inputs/table_files.py; why these values: docs/design.md §19).
+    max_table_bytes: int = 512 * 1024 * 1024
+    max_table_rows: int = 200_000
+    max_cell_chars: int = 1 << 20
+    max_nesting_depth: int = 32
 
 
 @dataclass

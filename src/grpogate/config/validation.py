@@ -237,7 +237,12 @@ def _validate_guard(config: RunConfig, need) -> None:
 
 
 def _validate_dataset_task(task, need) -> None:
-    """A dataset task's table, columns and verifier."""
+    """A dataset task's table, columns and verifier; the table bounds of any task (gate
+    --train-data reads a table under them whatever the task)."""
+    for name in ("max_table_bytes", "max_table_rows", "max_cell_chars", "max_nesting_depth"):
+        value = getattr(task, name)
+        need(type(value) is int and value >= 1, f"task.{name} must be a whole number >= 1 "
+             f"(got {value!r})")
     if task.source != "dataset":
         return
     need(bool(task.path), "task.path is required for a dataset task: a parquet, JSONL, CSV or "

@@ -38,6 +38,7 @@ from grpogate.evidence.audit_files import (Audit, anchored_versions, check_hashe
                                            no_change_words, numbered_jsonl, read_object, same_value,
                                            stored_problem_sets, unknown_fields)
 from grpogate.evidence.manifest import GUARD_FILE, PROBLEMS_FILE
+from grpogate.evidence.table_audit import check_table_identity
 from grpogate.evidence.rescore import (RescorePlan, announce_cost, audit_reward_set, describe,
                                       rescored_reward, run_limits)
 from grpogate.files import confined_file
@@ -366,6 +367,7 @@ def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
         if manifest:
             check_hashes(audit, run_dir, manifest, evidence, trajectories)
         versions = anchored_versions(audit, run_dir, evidence)
+        check_table_identity(audit, evidence)
         references, train_questions = _reload_references(audit, evidence, run_dir)
         verifier = _verifier(audit, evidence)
         if verifier is not None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from grpogate.errors import InputError
+from grpogate.evidence.table_audit import check_table_identity
 from grpogate.evidence.audit import (_verifier, audit_run, check_adapter_dir, check_guard_records,
                                      check_records, check_retest_records, compare_rebuilt,
                                      guard_expected, read_run, verdict)
@@ -153,6 +154,7 @@ def audit_foreign_run(run_dir: str | Path) -> dict[str, Any]:
         versions = anchored_versions(audit, run_dir, evidence,
                                      _candidate_version(audit, run_dir, evidence))
         log = _stored_log(audit, run_dir, evidence)
+        check_table_identity(audit, evidence)
         refs = _check_problems(audit, run_dir, evidence) or {}
         verifier = _verifier(audit, evidence)
         check_records(audit, "eval_completions.jsonl", numbered_eval, verifier, refs.get("eval"),

@@ -28,29 +28,29 @@ drawn ones, so a corrupt table fails at admission. Nothing is written by this mo
 
 from __future__ import annotations
 
-import hashlib
+import os
 import random
 import re
+import tempfile
 from pathlib import Path
 
 from grpogate.errors import InputError, first_line
 from grpogate.inputs.problem import Problem, columns_text, prompt_id
+from grpogate.inputs.table_checks import TableLimits, over_limit
+from grpogate.inputs.table_files import identity_names, reader_of, staged_table
 from grpogate.inputs.verifiers import reference_number
 
-# File name endings -> the `datasets` builder that reads them.
-READERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv",
-           ".arrow": "arrow"}
 # The default reference column, then the columns the TRL and verl presets keep it in.
 DEFAULT_REFERENCE = "answer"
 REFERENCE_PRESETS = (DEFAULT_REFERENCE, "solution", "reward_model.ground_truth")
 NUMBER_VERIFIER = "number"
-# A hub dataset id: `owner/name` or a bare canonical name; a missing local path is not one.
+# A hub dataset id: `owner/name` or a bare canonical name; a path that exists is never one.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?", re.ASCII)
 INSTALL_HINT = "pip install 'grpogate[hf]'"
 
 
 def _datasets():
-    """The `datasets` package, imported on first use (an optional extra)."""
+    """The `datasets` package, imported on first use."""
     try:
         import datasets
     except ImportError:
@@ -61,48 +61,66 @@ def _datasets():
     return datasets
 
 
-def _reader(path: Path) -> str:
-    for ending, builder in READERS.items():
-        if path.name.lower().endswith(ending):
-            return builder
-    raise InputError(f"{path}: not a table datasets reads here (a file ending in "
-                     f"{', '.join(READERS)}, or a save_to_disk folder)")
+def _innermost(error: BaseException) -> BaseException:
+    """The error a library's wrapper was raised from (datasets wraps pyarrow's and pandas'
+    errors in "An error occurred while generating the dataset")."""
+    seen = 0
+    while (error.__cause__ or error.__context__) is not None and seen < 16:
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return error
 
 
-def read_splits(source: str) -> tuple[dict, dict]:
-    """({split name: datasets.Dataset}, the table's identity: where and which bytes)."""
-    datasets = _datasets()
-    path = Path(source)
+def _cannot_build(source: str, error: Exception, staged_folder: str = "") -> InputError:
+    """A datasets failure in one line: the wrapped cause, the staged copy's path as the
+    user's own."""
+    cause = _innermost(error)
+    text = first_line(cause)[:200]
+    if staged_folder:
+        text = text.replace(staged_folder, str(source))
+    return InputError(f"{source}: datasets cannot build a table from it "
+                      f"({type(cause).__name__}: {text})")
+
+
+def _build(datasets, staged, source: str):
+    """The staged copy read by datasets, in memory, its cache inside the private folder."""
     try:
-        if path.is_dir():
-            loaded = datasets.load_from_disk(str(path))
-        elif path.is_file():
-            loaded = datasets.load_dataset(_reader(path), data_files=str(path))
-        elif HUB_ID.fullmatch(source) and not source.lower().endswith(tuple(READERS)):
-            loaded = datasets.load_dataset(source)  # a hub id, where the network allows
-        else:
-            raise InputError(f"{source}: no such file or directory (dataset task)")
-    except InputError:
-        raise
+        if not staged.is_folder:
+            (copy, builder, _), = staged.data
+            return datasets.load_dataset(builder, data_files=str(copy), keep_in_memory=True,
+                                         cache_dir=str(staged.folder.parent / "cache"))
+        return datasets.load_from_disk(str(staged.folder), keep_in_memory=True)
     except Exception as error:  # each reader raises its own types for a file it cannot read
-        raise InputError(f"{source}: datasets cannot read it ({first_line(error)[:200]})"
-                         ) from None
+        raise _cannot_build(source, error, str(staged.folder)) from None
+
+
+def read_splits(source: str, limits: TableLimits | None = None) -> tuple[dict, dict]:
+    """({split name: datasets.Dataset, in memory}, the table's identity: where, which files
+    and their hash). A local table is staged first (inputs/table_files.py): confined,
+    bounded, hashed and checked before datasets builds anything, in a private folder removed
+    when the read ends, so nothing is left in the user's datasets cache."""
+    datasets = _datasets()
+    limits = limits or TableLimits.of()
+    path = Path(source)
+    local = os.path.lexists(path)  # a FIFO or a dangling link is a local name too
+    if not local and not (HUB_ID.fullmatch(source) and reader_of(source) is None):
+        raise InputError(f"{source}: no such file or directory (dataset task)")
+    if local:
+        with staged_table(path, limits) as staged:
+            loaded = _build(datasets, staged, source)
+            identity = {"file": str(staged.source), "sha256": staged.sha256(),
+                        "files": identity_names(staged)}
+    else:
+        try:
+            with tempfile.TemporaryDirectory(prefix="grpogate-hub-") as cache:
+                loaded = datasets.load_dataset(source, cache_dir=cache, keep_in_memory=True)
+        except Exception as error:  # network, missing id, a builder's own error
+            raise _cannot_build(source, error) from None
+        identity = {"file": source, "sha256": None}  # a hub revision is not pinned here
     splits = dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
-    identity = {"file": str(path.resolve()) if path.exists() else source,
-                "sha256": _content_sha256(path) if path.exists() else None}
+    rows = sum(len(split) for split in splits.values())
+    if rows > limits.max_rows:  # a hub table, counted once built
+        raise over_limit(source, f"{rows} rows", limits, "max_rows")
     return splits, identity
-
-
-def _content_sha256(path: Path) -> str:
-    """sha256 of a file, or of a folder's files (their relative names and bytes, in order)."""
-    digest = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for file in files:
-        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
-        with open(file, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def _field(row: dict, dotted: str, where: str):
@@ -119,6 +137,10 @@ def _question(prompt, where: str, field: str) -> str:
     """The question text of a prompt cell: a string, or one user message."""
     if isinstance(prompt, list):
         roles = [m.get("role") if isinstance(m, dict) else None for m in prompt]
+        if roles == ["user"] and isinstance(prompt[0].get("content"), list):
+            raise InputError(
+                f'{where}: field "{field}": the user message\'s content is a list of parts; '
+                "grpogate samples text prompts: give the content as one string")
         if roles != ["user"] or not isinstance(prompt[0].get("content"), str):
             raise InputError(
                 f'{where}: field "{field}": chat messages with roles {roles}; grpogate samples '
@@ -203,7 +225,7 @@ def _problems(rows, chosen: list[int], origin: str) -> list:
 def load_sets(task, train_prompts: int, eval_prompts: int) -> tuple[list, dict, list, dict]:
     """(train problems, their identity, eval problems, theirs) of a dataset task; with
     train_prompts 0 the train set is not drawn (the eval set alone: `gate`, `eval`)."""
-    splits, table = read_splits(task.path)
+    splits, table = read_splits(task.path, TableLimits.of(task))
     base = {"kind": "dataset", **table, "prompt_field": task.prompt_field}
     if len(splits) == 1:
         (name, dataset), = splits.items()

@@ -5,10 +5,11 @@ template already rendered into the string, an instruction before or after it. Eq
 (tasks.check_isolation) catch none of these, so an eval prompt counts as seen when its
 normalized text lies anywhere inside a normalized training text.
 
-`normalized`: Unicode NFKC; format characters (category Cf: zero-width space and joiner, BOM,
-soft hyphen) and control characters other than whitespace (Cc) dropped, since either could be
-slipped into a copy to break a match while the model reads the same words; case folded;
-every run of whitespace one space; stripped.
+`normalized` (inputs/problem.py, the rule prompt ids are made by too): Unicode NFKC; format
+characters (category Cf: zero-width space and joiner, BOM, soft hyphen) and control characters
+other than whitespace (Cc) dropped, since either could be slipped into a copy to break a match
+while the model reads the same words; case folded; every run of whitespace one space;
+stripped.
 
 Cost (`shared_prompts`): normalizing is linear in the text. The normalized training texts are
 joined into one string (the haystack, H characters, rows separated by NUL, which no
@@ -23,28 +24,11 @@ lookup at well under a second (docs/measurements.md, "Figures moved from code co
 from __future__ import annotations
 
 import bisect
-import functools
-import re
-import sys
-import unicodedata
 from dataclasses import dataclass
 
+from grpogate.inputs.problem import normalized
+
 SEPARATOR = "\x00"
-
-
-@functools.cache
-def _invisible() -> re.Pattern:
-    """The characters `normalized` drops: Cf, and Cc that is not whitespace (built once, on
-    first use: it scans the code space, about 0.3 s)."""
-    dropped = [chr(code) for code in range(sys.maxunicode + 1)
-               if unicodedata.category(chr(code)) in ("Cf", "Cc") and not chr(code).isspace()]
-    return re.compile("[" + "".join(re.escape(c) for c in dropped) + "]")
-
-
-def normalized(text: str) -> str:
-    """`text` as the containment match compares it (module docstring)."""
-    visible = _invisible().sub("", unicodedata.normalize("NFKC", text))
-    return " ".join(visible.casefold().split())
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,17 @@ training text, after normalization, is seen, whatever was put around it.
 
 from __future__ import annotations
 
-import json
+import hashlib
+import os
 from pathlib import Path
 from typing import Callable
 
 from grpogate.errors import InputError
+from grpogate.files.bounds import FileTooLarge
+from grpogate.files.confine import open_confined
 from grpogate.inputs import dataset_task, isolation, tasks
-
-MAX_TRAIN_FILE_BYTES = 512 * 1024 * 1024
+from grpogate.inputs.table_checks import RowCounter, TableLimits, check_json_lines, over_limit
+from grpogate.inputs.table_files import table_digest
 # (chat messages, where) -> the text the trainer's chat template renders from them.
 Render = Callable[[list, str], str]
 NO_PROMPT = ("no \"prompt\" column; TRL's GRPOTrainer trains on a row's \"prompt\" (a string or "
@@ -84,50 +87,71 @@ def _reference(row: dict) -> str:
     return ""
 
 
-def _lines(path: str) -> list[str]:
+class _HashedLines:
+    """A binary stream's readline, hashing every byte it returns (the file's digest as
+    table_files computes it: its name, then its bytes)."""
+
+    def __init__(self, stream, name: str) -> None:
+        self.stream, self.digest = stream, hashlib.sha256(name.encode("utf-8"))
+
+    def readline(self, limit: int = -1) -> bytes:
+        line = self.stream.readline(limit)
+        self.digest.update(line)
+        return line
+
+
+def _jsonl_rows(path: str, limits: TableLimits, identity: dict):
+    """(where, row) of a JSONL file, read from one descriptor: a regular file (no FIFO is
+    waited on), within `limits.max_bytes`, each line bounded, decoded and depth-checked before
+    it is parsed (inputs/table_checks.py), every line named in a refusal. `identity` receives
+    the bytes' hash and the file's name once every line is read."""
     file = Path(path)
-    if not file.is_file():
+    if not os.path.lexists(file):
         raise InputError(f"--train-data {path}: no such file")
-    if file.stat().st_size > MAX_TRAIN_FILE_BYTES:
-        raise InputError(f"--train-data {path}: larger than {MAX_TRAIN_FILE_BYTES} bytes")
+    resolved = file.resolve()
     try:
-        return file.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as error:
-        raise InputError(f"--train-data {path}: not UTF-8 text ({error.reason})") from None
+        with open_confined(resolved.parent, resolved.name, limits.max_bytes,
+                           "a --train-data file") as (stream, size):
+            hashed = _HashedLines(stream, resolved.name)
+            yield from check_json_lines(hashed, path, limits, RowCounter(limits, path), size)
+    except FileTooLarge:
+        raise over_limit(f"--train-data {path}", f"larger than {limits.max_bytes} bytes",
+                         limits, "max_bytes") from None
+    except InputError as error:
+        if str(error).startswith((path, "--train-data")):
+            raise
+        raise InputError(f"--train-data {path}: {str(error).split(': ', 1)[-1]}") from None
+    identity |= {"sha256": table_digest({resolved.name: hashed.digest.digest()}),
+                 "files": [resolved.name]}
 
 
-def _jsonl_rows(path: str):
-    for number, line in enumerate(_lines(path), 1):
-        if not line.strip():
-            continue
-        try:
-            yield f"{path}:{number}", json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            raise InputError(f"{path}:{number}: not a JSON object") from None
-
-
-def _rows(path: str):
+def _rows(path: str, limits: TableLimits, identity: dict):
     """(where, row) of every training row: a .jsonl file line by line, any other table a
     dataset task reads (parquet, CSV, Arrow, a save_to_disk folder) through Hugging Face
-    datasets, every split, so that the same rule reads verl's and TRL's files."""
-    if path.lower().endswith(".jsonl") or not Path(path).exists():
-        yield from _jsonl_rows(path)
+    datasets, every split, so that the same rule reads verl's and TRL's files; both under
+    the same bounds (config task.max_table_bytes, ...). `identity` receives the hash of the
+    bytes read and the files' names (inputs/table_files.py), as a dataset task records them."""
+    if path.lower().endswith(".jsonl") or not os.path.lexists(path):
+        yield from _jsonl_rows(path, limits, identity)
         return
-    if Path(path).is_file() and Path(path).stat().st_size > MAX_TRAIN_FILE_BYTES:
-        raise InputError(f"--train-data {path}: larger than {MAX_TRAIN_FILE_BYTES} bytes")
-    splits, _ = dataset_task.read_splits(path)
+    splits, table = dataset_task.read_splits(path, limits)
+    identity |= {"sha256": table["sha256"], "files": table["files"]}
     for split, dataset in splits.items():
         shown = path if len(splits) == 1 else f"{path} split {split}"
         for number, row in enumerate(dataset, 1):
             yield f"{shown}: row {number}", row
 
 
-def read_train_data(path: str, render: Render) -> tuple[list[tasks.Problem], list[tuple[str, str]]]:
+def read_train_data(path: str, render: Render, limits: TableLimits | None = None,
+                    identity: dict | None = None
+                    ) -> tuple[list[tasks.Problem], list[tuple[str, str]]]:
     """(the training prompts of a JSONL file, each once: a problem's question is the text TRL
-    trains on; the (row, text) pairs the isolation check searches)."""
+    trains on; the (row, text) pairs the isolation check searches). `identity`, when given,
+    receives the hash of the bytes read ("sha256") and the files' names ("files")."""
     problems: dict[str, tasks.Problem] = {}
     searched: dict[str, str] = {}  # text -> its first row: a repeated text is searched once
-    for where, row in _rows(path):
+    for where, row in _rows(path, limits or TableLimits.of(), {} if identity is None
+                            else identity):
         text, texts = training_text(row, where, render)
         problem = tasks.Problem(tasks.prompt_id(text), text, _reference(row), where)
         problems.setdefault(problem.prompt_id, problem)
@@ -170,7 +194,9 @@ def training_problems(config, train_data: str, from_config: bool, render: Render
         return train, identity, "the config's train split", [(p.source, p.question)
                                                               for p in train]
     if train_data:
-        train, searched = read_train_data(train_data, render)
+        table: dict = {}
+        train, searched = read_train_data(train_data, render, TableLimits.of(config.task), table)
         return train, {"data_file": str(Path(train_data).resolve()), "prompts": len(train),
-                       "problem_set_sha256": tasks.problem_set_hash(train)}, "--train-data", searched
+                       "problem_set_sha256": tasks.problem_set_hash(train), **table
+                       }, "--train-data", searched
     return None, {"checked": False}, "", []
