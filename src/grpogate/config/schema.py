@@ -228,6 +228,9 @@ def step_count(train_prompts: int, prompts_per_step: int) -> int:
 
 
 TASK_SOURCES = ("reasoning-gym", "gsm8k", "dataset")
+# The sequential re-test's most looks (eval batches plus guard rounds): each look re-reads every
+# gate's test on all observations so far, so a recorded design past it is refused unread.
+MAX_RETEST_LOOKS = 4096
 # task.verifier of a dataset task -> the verifier's name (inputs/verifiers.py)
 DATASET_VERIFIERS = {"number": "gsm8k-final-number-v1", "math": "math-verify-v1",
                      "exact": "exact-answer-v1"}

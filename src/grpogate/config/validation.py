@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from grpogate.config.schema import (BUILT_IN_REWARDS, DTYPES, IMPORTANCE_SAMPLING_LEVELS,
+                                    MAX_RETEST_LOOKS,
                                     KL_ESTIMATORS, LOSS_TYPES, LR_SCHEDULER_TYPES,
                                     MAX_REWARD_VALUE, MAX_REWARD_WEIGHT,
                                     MULTI_OBJECTIVE_AGGREGATIONS, REPORTERS, ROLLOUT_CORRECTIONS,
@@ -82,6 +83,11 @@ def validate(config: RunConfig) -> RunConfig:
          "train_prompts and eval_prompts must be >= 1")
     need(config.eval_batch_prompts >= 1, f"eval_batch_prompts must be >= 1 (got "
          f"{config.eval_batch_prompts}): the re-test's prompts per look")
+    looks = -(-config.eval_prompts // config.eval_batch_prompts) + config.guard.rounds
+    need(looks <= MAX_RETEST_LOOKS,
+         f"the re-test may take at most {MAX_RETEST_LOOKS} looks: raise eval_batch_prompts or "
+         f"lower guard.rounds (eval_prompts {config.eval_prompts}, eval_batch_prompts "
+         f"{config.eval_batch_prompts}, guard.rounds {config.guard.rounds})")
     need(config.task.eval_pool == 0 or config.task.eval_pool >= config.eval_prompts,
          f"task.eval_pool ({config.task.eval_pool}) must be 0 or >= eval_prompts "
          f"({config.eval_prompts}): the eval prompts are drawn from it")

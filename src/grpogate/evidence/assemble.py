@@ -341,8 +341,8 @@ def retest_looks(evidence: dict, config: dict) -> dict | None:
     """Every look of the sequential re-test, where the rule stopped and why, and the
     completions it used, recomputed from the per-prompt records (retest_checks.
     sequential_outcome); None for a skipped re-test or a config without the sequential design."""
-    design = stopping.design_of(config)
-    if design is None or evidence["comparison"].get("skipped") is True:
+    design = retest_checks.recorded_design(evidence)
+    if not design or evidence["comparison"].get("skipped") is True:
         return None
     outcome = retest_checks.sequential_outcome(evidence, config["gates"])
     if outcome is None:

@@ -103,7 +103,11 @@ def sequential_outcome(evidence: Any, gates: Any) -> dict | None:
             or None in (margins["reward"], margins["pass_at_group"]) \
             or (guard is not None and margins["guard"] is None):
         return None
-    design = stopping.design_of(_get(evidence, "config")) or {
+    try:
+        design = stopping.design_of(_get(evidence, "config"))
+    except ValueError:
+        return None
+    design = design or {
         "eval_batch": len(reward), "eval_max": len(reward),
         "guard_batch": len(guard or []), "guard_max": len(guard or [])}
     try:
@@ -170,12 +174,21 @@ def _guard_row(evidence: Any, gates: Any) -> dict[str, Any] | None:
     return row
 
 
+def recorded_design(evidence: Any) -> dict | None:
+    """The sequential design of the evidence's config; None before the design existed, and an
+    empty design (which no re-test meets) for unreadable counts."""
+    try:
+        return stopping.design_of(_get(evidence, "config"))
+    except ValueError:
+        return {}
+
+
 def stopping_row(evidence: Any, gates: Any) -> dict[str, Any] | None:
     """The re-test holds exactly the prompts its stopping rule takes (else `reject`: a re-test
     stopped early or run past its stop is a decision chosen by looking). None for the
     point-estimate rule, a skipped re-test, or a run recorded before the sequential design."""
     if gain_rule(gates) != SEQUENTIAL_RULE or _retest_skipped(evidence) \
-            or stopping.design_of(_get(evidence, "config")) is None:
+            or recorded_design(evidence) is None:
         return None
     outcome = sequential_outcome(evidence, gates)
     if outcome is None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from grpogate.config.schema import MAX_RETEST_LOOKS
 from grpogate.evidence.anytime import betting_test, resolvable_difference
 
 RULE = ("sequential: eval prompts in batches and guard samples in rounds; after each look, "
@@ -61,6 +62,10 @@ def walk_looks(reward: list[float], passed: list[float], guard: list[float] | No
     observations the next look needs when not complete, "status": {gate: shown | ruled_out | open},
     "reason"}.
     """
+    if design["eval_batch"] < 1 or (guard is not None and design["guard_batch"] < 1) \
+            or looks_needed(design) > MAX_RETEST_LOOKS:
+        raise ValueError(f"a re-test design needs batches of at least 1 and at most "
+                         f"{MAX_RETEST_LOOKS} looks, got {design}")
     status: dict[str, str | None] = {"reward": None, "pass_at_group": None}
     if guard is not None:
         status["guard"] = None
@@ -93,6 +98,13 @@ def walk_looks(reward: list[float], passed: list[float], guard: list[float] | No
             status["guard"] is None
 
 
+def looks_needed(design: dict) -> int:
+    """The most looks a design can take: every eval batch, then every guard round."""
+    guard_rounds = -(-design["guard_max"] // design["guard_batch"]) if design["guard_batch"] > 0 \
+        else 0
+    return -(-design["eval_max"] // max(design["eval_batch"], 1)) + guard_rounds
+
+
 def _stop_reason(status: dict, seen_eval: int, seen_guard: int, design: dict,
                  guarded: bool) -> str | None:
     """Why the re-test stops after this look, or None while a gate is open with room left."""
@@ -120,18 +132,27 @@ def _walked(looks: list[dict], status: dict, seen_eval: int, seen_guard: int,
 
 def design_of(config: Any) -> dict | None:
     """The rule's batch sizes and maxima from a run's config (a dict, as recorded), or None for
-    a config that predates the sequential re-test. Eval: prompts (a batch larger than the set is
-    the whole set). Guard: paired samples, a round of `group_size` per problem at each look.
-    Under the point-estimate rule the re-test is one look: every eval prompt, one guard round."""
+    a config that predates the sequential re-test; ValueError for counts that are not
+    non-negative integers (a recorded config is untrusted). Eval: prompts (a batch larger than
+    the set is the whole set). Guard: paired samples, a round of `group_size` per problem at
+    each look. Under the point-estimate rule the re-test is one look: every eval prompt, one
+    guard round."""
     if not isinstance(config, dict) or "eval_batch_prompts" not in config:
         return None
-    guard = config.get("guard") or {}
+    guard = config.get("guard") if isinstance(config.get("guard"), dict) else {}
+    counts = {"eval_prompts": config.get("eval_prompts"),
+              "eval_batch_prompts": config.get("eval_batch_prompts"),
+              "guard.prompts": guard.get("prompts", 0), "guard.group_size": guard.get(
+                  "group_size", 0), "guard.rounds": guard.get("rounds", 1)}
+    for name, value in counts.items():
+        if type(value) is not int or value < 0:
+            raise ValueError(f"config.{name} must be a non-negative integer, got {value!r}")
     sequential = (config.get("gates") or {}).get("require_significant_gain") is True
-    eval_max = int(config["eval_prompts"])
-    guard_round = int(guard.get("prompts") or 0) * int(guard.get("group_size") or 0)
-    return {"eval_batch": min(int(config["eval_batch_prompts"]), eval_max) if sequential
+    eval_max = counts["eval_prompts"]
+    guard_round = counts["guard.prompts"] * counts["guard.group_size"]
+    return {"eval_batch": min(counts["eval_batch_prompts"], eval_max) if sequential
             else eval_max, "eval_max": eval_max, "guard_batch": guard_round,
-            "guard_max": guard_round * (int(guard.get("rounds") or 1) if sequential else 1)}
+            "guard_max": guard_round * (max(counts["guard.rounds"], 1) if sequential else 1)}
 
 
 # The per-observation spreads the plan assumes before a run has its own: those of the default's
