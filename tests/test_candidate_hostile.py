@@ -219,7 +219,7 @@ def test_the_copy_is_what_is_hashed_and_a_later_change_at_the_source_reaches_not
     ("F8_E5M2", bytes([0x3C, 0x7E, 0x7C, 0xFC, 0xC0, 0x00]), 3),
     ("F8_E4M3", bytes([0x38, 0x7F, 0xFF, 0x7E, 0xC0, 0x00]), 2),
     ("I32", struct.pack("<6i", -1, 0x7F800000, 0x7FC00000, 3, 4, 5), 0),  # integers: never
-])
+], ids=["F32", "F64", "F16", "BF16", "F8_E5M2", "F8_E4M3", "I32"])
 def test_non_finite_values_are_counted_by_their_bits_in_every_float_width(dtype, raw, expected,
                                                                          tmp_path):
     from grpogate.files import non_finite_counts
@@ -350,3 +350,25 @@ def test_shards_past_256_gib_in_all_are_refused_unread(made, tiny_model_dir, tmp
                                   cap=4 * GiB, timeout=60))
     assert line == (f"error: {big}: {total} bytes of weights, over the 274877906944 that "
                     "grpogate copies, hashes and decide re-hashes of a candidate")
+
+
+def test_a_2_gib_adapter_is_refused_by_its_header_before_peft_reads_it(made, tiny_model_dir,
+                                                                       tmp_path):
+    """One 2 GiB tensor (sparse) under a LoRA's name (main: read whole, 2.5 GB peak): past 3x
+    the tiny model's weights, refused before PEFT reads a byte."""
+    adapter = adapter_copy(made, tmp_path)
+    size = sparse_shard(adapter / "adapter_model.safetensors",
+                        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", 1 << 29)
+    out = tmp_path / "out"
+    result = capped("-c", PEAK_AND_OUTPUT, "-m", "grpogate",
+                    *gate_args(adapter, tiny_model_dir, out), cap=12 * GiB, timeout=120)
+    kib = int(result.stderr.split()[-1])
+    result.stderr = ""
+    # The tiny model: embedding 49152 x 64, per layer 4096 + 2 x 2048 + 4096 + 3 x 8192 + 2 x 64
+    # values, 2 layers, the final norm 64: 3,219,776 float32 values = 12,879,104 bytes.
+    assert one_error(result) == (f"error: {adapter}/adapter_model.safetensors: {size} bytes, "
+                                 "over 3 times its base model's 12879104 bytes of weights (a "
+                                 "LoRA of rank up to a layer's width, with modules saved whole, "
+                                 "holds at most that); not an adapter of this model")
+    assert kib * 1024 < GiB, kib
+    assert not out.exists()
