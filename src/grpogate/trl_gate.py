@@ -34,8 +34,8 @@ from grpogate.evidence.foreign_audit import TRAINER_STATE_FILE
 from grpogate.evidence.trainer_log import (NOT_RECORDED_NOTE, SOURCE_NOTE,
                                             assemble_foreign_evidence, log_steps)
 from grpogate.files import (ADAPTER_WEIGHTS, RunDirLock, atomic_write_bytes, create_run_dir,
-                            file_mode, fsync_directory, refuse_existing_output, refuse_output_inside_a_run,
-                            sha256_path)
+                            file_mode, fsync_directory, refuse_existing_output,
+                            refuse_output_inside_a_run, sha256_path)
 from grpogate.inputs import isolation, tasks
 from grpogate.inputs.candidate import attach_candidate
 from grpogate.inputs.full_candidate import attach_full_candidate

@@ -21,8 +21,9 @@ from typing import Any
 from grpogate.evidence.check_rows import (_gate_row, _get, _is_positive_int,  # noqa: F401
                                           _non_empty_str, _retest_skipped, _row, _same_version)
 from grpogate.evidence.retest_checks import (_effective_update_row, _gain_row,  # noqa: F401
-                                             _finite_retest_row, _guard_row, _retest_kl_row, gain_rule, gain_rule_line,
-                                             gain_test, identical_retest, no_change_reason)
+                                             _finite_retest_row, _guard_row, _retest_kl_row,
+                                             gain_rule, gain_rule_line, gain_test,
+                                             identical_retest, no_change_reason)
 from grpogate.evidence.step_checks import steps_rows
 from grpogate.gates import (GATE_NAMES, SWITCH_GATE_NAMES, finite_number,  # noqa: F401
                             validate_gates)  # GATE_NAMES, validate_gates: re-exported

@@ -35,7 +35,7 @@ MAX_JSONL_LINES = 1 << 22
 # and the Hugging Face Hub takes no file over 50 GB, so a shard of the Hub's maximum is
 # admitted; 256 GiB holds a 72B model in bfloat16 (about 145 GB) or a 7B in float32 (30 GB).
 # Each byte costs time, not memory: it is copied, hashed and checked for NaN a 4 MiB block at a
-# time, and the re-test maps the tensors from the copy (docs/design.md §10).
+# time, and the re-test maps the tensors from the copy (docs/design.md §12).
 MAX_CHECKPOINT_FILE_BYTES = 50 << 30
 MAX_CHECKPOINT_BYTES = 256 << 30
 
