@@ -5,7 +5,7 @@ adapter saved by `PeftModel.save_pretrained`, the same adapter merged into a ful
 `merge_and_unload().save_pretrained(...)` (one file, and sharded by max_shard_size). Each is
 gated end to end through the CLI and re-checked by `decide` (and `--replay`). Bad candidates
 (pickle weights only, another architecture, shape or dtype, neither config file, both --from-trl
-and --candidate, a shard outside the folder, a file past what decide hashes) are refused with
+and --candidate, a shard outside the folder, a file past a checkpoint file's bound) are refused with
 one `error:` line, exit 2, nothing written, in a fresh interpreter under a memory cap and a
 timeout. Expected identities are computed here by hand from the files' bytes.
 """
@@ -326,9 +326,9 @@ def test_shards_outside_the_folder_or_past_the_hashing_bound_are_refused(made, t
         f'error: {outside}/model.safetensors.index.json: field "weight_map" names '
         f"'../model.safetensors' for tensor {first!r}; a shard is a .safetensors file in this "
         "folder")
-    huge = checkpoint_copy(made, tmp_path, "huge")  # sparse: no disk, one byte past 1 GiB
-    os.truncate(huge / "model.safetensors", GiB + 1)
+    huge = checkpoint_copy(made, tmp_path, "huge")  # sparse: no disk, one byte past 50 GiB
+    os.truncate(huge / "model.safetensors", 50 * GiB + 1)
     assert refused(huge, tiny_model_dir, tmp_path / "out") == (
-        f"error: {huge}/model.safetensors: 1073741825 bytes, over the 1073741824 a run file may "
-        "hold (decide could not re-hash it); save the checkpoint in smaller shards "
+        f"error: {huge}/model.safetensors: 53687091201 bytes, over the 53687091200 a checkpoint "
+        "file may hold (the Hub's own limit); save the checkpoint in smaller shards "
         "(save_pretrained max_shard_size)")

@@ -19,7 +19,9 @@ another base model is not re-tested and is delivered as `reject` naming `baselin
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -31,15 +33,15 @@ from grpogate.errors import InputError
 from grpogate.evidence.foreign_audit import TRAINER_STATE_FILE
 from grpogate.evidence.trainer_log import (NOT_RECORDED_NOTE, SOURCE_NOTE,
                                             assemble_foreign_evidence, log_steps)
-from grpogate.files import (ADAPTER_WEIGHTS, RunDirLock, atomic_directory, atomic_write_bytes,
-                            create_run_dir, refuse_existing_output, refuse_output_inside_a_run,
-                            sha256_path)
+from grpogate.files import (ADAPTER_WEIGHTS, RunDirLock, atomic_write_bytes, create_run_dir,
+                            file_mode, fsync_directory, refuse_existing_output,
+                            refuse_output_inside_a_run, sha256_path)
 from grpogate.inputs import isolation, tasks
 from grpogate.inputs.candidate import attach_candidate
 from grpogate.inputs.full_candidate import attach_full_candidate
 from grpogate.inputs.candidate_dir import (FULL_CHECKPOINT, PEFT_ADAPTER, Candidate,
-                                           candidate_version, checkpoint_identity, file_hashes,
-                                           read_candidate)
+                                           candidate_version, checkpoint_identity,
+                                           finite_weights, read_candidate, stage_candidate)
 from grpogate.inputs.policy import (BaseModelSource, check_adapter_dir, default_cache_dir,
                                     load_policy, resolve_base_model)
 from grpogate.inputs.trl_output import (ADAPTER_CONFIG, TrlOutput, read_settings_file,
@@ -79,10 +81,10 @@ def baseline_identity(named: str, base: BaseModelSource) -> dict:
     if path.exists() and path.resolve() == Path(base.load_dir).resolve():
         return result | {"matches": True, "how": "by the directory the baseline loads from"}
     if path.is_dir() and (path / "config.json").is_file() and base.kind == "hf-dir":
-        try:
+        try:  # hashed within bounds, regular files only (model_cache.directory_weights_sha256)
             named_sha = resolve_base_model(str(path), "", Path(base.load_dir)).sha256
-        except InputError:
-            return result
+        except InputError as error:
+            return result | {"how": f"no match: the folder it names is not hashed ({error})"}
         if named_sha == base.sha256:
             return result | {"matches": True, "how": "by the weights' sha256"}
     return result
@@ -136,6 +138,7 @@ class Admitted:
     train_identity: dict
     isolation: dict
     searched: list  # the (row, text) pairs the isolation check searched
+    source: Path | None = None  # where the candidate was read from, once `found` is its copy
 
 
 def admit(config: RunConfig, request: GateRequest) -> Admitted:
@@ -224,22 +227,22 @@ def _retest(admitted: Admitted, policy, candidate_version: str, reporter, guard_
                              StopRequest())
 
 
-def _copy_inputs(admitted: Admitted, run_dir: Path) -> str:
-    """The candidate (its config and weights, byte for byte: `adapter/` for an adapter,
-    `candidate/` for a full checkpoint) and the trainer's log, if any, copied into the run;
-    returns the artifact's sha256 (an adapter's weights file; a checkpoint's identity, of the
-    copies)."""
+def _copy_inputs(admitted: Admitted, run_dir: Path, hashes: dict[str, str]) -> str:
+    """The candidate's copy (staged, hashed and loaded: `stage_candidate`) moved into the run
+    (`adapter/` for an adapter, `candidate/` for a full checkpoint), and the trainer's log, if
+    any, copied; returns the artifact's sha256 (an adapter's weights file; a checkpoint's
+    identity), of the bytes copied: `hashes`."""
     found, folder = admitted.found, artifact_folder(admitted.found)
-    with atomic_directory(run_dir / folder) as staging:
-        for name in found.files:
-            shutil.copyfile(found.directory / name, staging / name)
+    os.chmod(found.directory, 0o777 & ~(0o666 & ~file_mode()))  # a folder's mode, as mkdir's
+    os.rename(found.directory, run_dir / folder)  # the same filesystem: a rename, no copy
+    fsync_directory(run_dir)
     if admitted.trl is not None:
         atomic_write_bytes(run_dir / TRAINER_STATE_FILE,
                            admitted.trl.trainer_state_file.read_bytes())
     atomic_write_bytes(run_dir / "trajectories.jsonl", b"")  # none exist: the log is all there is
     if found.kind == FULL_CHECKPOINT:
-        return checkpoint_identity(file_hashes(run_dir / folder, found.files))
-    return sha256_path(run_dir / folder / ADAPTER_WEIGHTS)
+        return checkpoint_identity(hashes)
+    return hashes[ADAPTER_WEIGHTS]
 
 
 def artifact_folder(found: Candidate) -> str:
@@ -259,20 +262,44 @@ def _identify(admitted: Admitted, policy) -> dict:
                    "tensor's name, shape and dtype"}
 
 
+def _staging_folder(run_dir: Path) -> Path:
+    """A fresh folder (mode 0700) beside the run directory, on its filesystem, for the
+    candidate's copy until the run directory is made (nothing is written in it before then)."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.candidate-", dir=run_dir.parent))
+
+
 def gate(config: RunConfig, request: GateRequest, reporter=None) -> dict:
-    """Admit, re-test and deliver a foreign run; returns the evidence (also on disk)."""
+    """Admit, re-test and deliver a foreign run; returns the evidence (also on disk). The
+    candidate is copied and hashed first, and the copy is what is checked, loaded and
+    delivered; a run that stops before delivery leaves no copy behind."""
     reporter = reporter or NullReporter()
     admitted = admit(config, request)
+    staging, source = _staging_folder(admitted.run_dir), admitted.found.directory
+    try:
+        found, hashes = stage_candidate(admitted.found, staging)
+        return _gate_copy(dataclasses.replace(admitted, found=found, source=source), hashes,
+                          reporter)
+    except InputError as error:  # named by the user's folder, not by its copy's
+        raise InputError(str(error).replace(str(staging), str(source))) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # moved into the run when delivered
+
+
+def _gate_copy(admitted: Admitted, hashes: dict[str, str], reporter) -> dict:
+    """`gate` on the candidate's copy, whose files hash to `hashes`."""
     config, found = admitted.config, admitted.found
+    finite = finite_weights(found.directory, found.weights)
     started = time.perf_counter()
     policy = load_policy(config, adapter=config.adapter, seed=config.seed)
     identity = _identify(admitted, policy)
     load_seconds = time.perf_counter() - started
-    hashes = file_hashes(found.directory, found.files)
     version = candidate_version(found, policy.base.sha256, hashes)
     guard_set, guard_identity, guard_verifier = _guard(admitted)
     records, guard_records, errors, evaluation_seconds = [], [], 0, 0.0
-    if identity["matches"]:
+    failed_checks = ([] if identity["matches"] else ["baseline_identity"]) + (
+        ["finite_weights"] if finite["non_finite_tensors"] else [])
+    if not failed_checks:
         if found.kind == PEFT_ADAPTER:
             attach_candidate(policy, found.directory)
         started = time.perf_counter()
@@ -282,14 +309,15 @@ def gate(config: RunConfig, request: GateRequest, reporter=None) -> dict:
     run_dir = admitted.run_dir
     create_run_dir(run_dir)
     with RunDirLock(run_dir):
-        artifact_sha = _copy_inputs(admitted, run_dir)
-        facts = _facts(admitted, policy, identity, version, artifact_sha, errors,
+        artifact_sha = _copy_inputs(admitted, run_dir, hashes)
+        facts = _facts(admitted, policy, failed_checks, version, artifact_sha, errors,
                        {"load": load_seconds, "evaluation": evaluation_seconds,
                         "total": load_seconds + evaluation_seconds})
         facts["inputs"] |= {"guard_set": guard_identity, "guard_verifier": (
             {"name": config.guard.verifier(), "version": guard_verifier.version}
             if guard_verifier is not None else None)}
         facts["foreign"] = _foreign(admitted, identity, hashes)
+        facts["foreign"]["admission"]["finite_weights"] = finite
         evidence = assemble_foreign_evidence(
             facts, config.to_dict(), admitted.trl.trainer_state if admitted.trl else None,
             records, guard_records)
@@ -309,7 +337,8 @@ def _foreign(admitted: Admitted, identity: dict, hashes: dict) -> dict:
               "admission": {"baseline_identity": identity, "isolation": admitted.isolation}}
     if trl is None:
         return common | {
-            "trainer": "an unnamed trainer", "directory": str(found.directory), "files": hashes,
+            "trainer": "an unnamed trainer", "directory": str(admitted.source or found.directory),
+            "files": hashes,
             "trainer_state_file": None, "trainer_state_sha256": None,
             "pickles_note": "pickles (*.bin, *.pt, *.pth, *.pkl) are never loaded: loading one "
                             "can run code; the weights load from safetensors alone",
@@ -324,8 +353,8 @@ def _foreign(admitted: Admitted, identity: dict, hashes: dict) -> dict:
         "rollout_source": SOURCE_NOTE}
 
 
-def _facts(admitted: Admitted, policy, identity: dict, candidate_version: str, artifact_sha: str,
-           verifier_errors: int, seconds: dict) -> dict:
+def _facts(admitted: Admitted, policy, failed_checks: list[str], candidate_version: str,
+           artifact_sha: str, verifier_errors: int, seconds: dict) -> dict:
     config, trl = admitted.config, admitted.trl
     reward_names = sorted({name for entry in trl.trainer_state["log_history"] for name in entry
                            if name.startswith("rewards/") and name.endswith("/mean")}
@@ -345,13 +374,13 @@ def _facts(admitted: Admitted, policy, identity: dict, candidate_version: str, a
             "rewards": [{"name": name[len("rewards/"):-len("/mean")], "source": "trainer_log"}
                         for name in reward_names],
             "train_set": admitted.train_identity, "eval_set": admitted.eval_identity},
-        "contract": {"admitted": identity["matches"],
-                     "failed_checks": [] if identity["matches"] else ["baseline_identity"],
+        "contract": {"admitted": not failed_checks, "failed_checks": failed_checks,
                      "note": "a run trained elsewhere has no trajectories: admission checks the "
                              "candidate's baseline (an adapter's base model, a checkpoint's "
-                             "architecture) and the eval set's isolation"},
+                             "architecture), that its weights are finite, and the eval set's "
+                             "isolation"},
         "seconds": seconds, "retest_verifier_errors": verifier_errors,
-        "retest_skipped": not identity["matches"],
+        "retest_skipped": bool(failed_checks),
         "resources": peak_memory(policy.device) | {
             "measured": "the gate's re-test on this machine; the foreign training's memory is "
                         "not in its log"},

@@ -81,6 +81,10 @@ def gate_command(print_result: Callable[[dict, bool], None]):
                 evidence = gate_run(config, request, RichReporter(progress))
         except InputError as error:
             fail(error)
+        from grpogate.inputs.candidate_dir import finite_weights_line
+
+        console.print(finite_weights_line(evidence["foreign"]["admission"]["finite_weights"]),
+                      soft_wrap=True)
         isolation = evidence["foreign"]["admission"]["isolation"]
         if not isolation["checked"]:
             console.print(f"[yellow]{isolation['note']}[/]", soft_wrap=True)

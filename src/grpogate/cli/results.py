@@ -25,7 +25,10 @@ def safety_lines(evidence: dict) -> list[str]:
                      f"-> {guard['candidate']['mean_reward']:.4f}, gain {gain['point']:+.4f} "
                      f"[{gain['low']:+.4f}, {gain['high']:+.4f}]")
     drift = evidence["comparison"].get("drift")
-    if isinstance(drift, dict) and drift.get("kl_to_baseline") is not None:
+    if isinstance(drift, dict) and drift.get("non_finite_completions"):
+        lines.append(f"drift on the re-test: {drift['non_finite_completions']} completions gave "
+                     "NaN or infinite entropy or KL (recorded as null; finite_retest fails)")
+    elif isinstance(drift, dict) and drift.get("kl_to_baseline") is not None:
         entropy = drift["entropy"]
         lines.append(f"drift on the re-test: KL(candidate || baseline) "
                      f"{drift['kl_to_baseline']:.4f} per token, entropy "

@@ -12,7 +12,8 @@ every string PEFT pastes into a pattern must be a plain module name (letters, di
 `.`, at most MAX_NAME_CHARS). A plain name has no quantifier and no group; pasted into PEFT's
 patterns, it makes a match cost at most O(key x name) steps (key: a module's dotted name,
 under a few hundred characters; name: at most MAX_NAME_CHARS), so loading costs modules x
-names x that: bounded by the number of entries, whatever they hold.
+names x that: bounded by the number of entries, whatever they hold, and that number is held
+to MAX_NAMES a field (a list of 400,000 names kept PEFT matching for over 300 s).
 A regex `target_modules` (PEFT accepts one, few adapters use one) is refused, not matched:
 list the module names instead.
 """
@@ -25,6 +26,11 @@ from grpogate.errors import InputError
 
 ALL_LINEAR = "all-linear"  # PEFT's keyword: every linear layer but the output head
 MAX_NAME_CHARS = 256
+# Entries of one list or table field. A model's distinct linear modules number a few hundred
+# (an 80-layer 72B model has 560 projections), and a rank_pattern naming each by its full path
+# is that long; 4096 holds a 500-layer model's. PEFT compares each module with each entry, so
+# loading costs modules x entries: about 560 x 4096 = 2.3 million suffix tests at most.
+MAX_NAMES = 4096
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_.]{1,%d}" % MAX_NAME_CHARS)
 SUFFIX_LISTS = ("target_modules", "exclude_modules")  # a list: names compared, a str: a regex
 PASTED_LISTS = ("modules_to_save", "layers_pattern")  # each name pasted into a pattern
@@ -41,9 +47,18 @@ def _refuse(where: str, field: str, value) -> None:
 
 
 def _names(where: str, field: str, value) -> None:
+    _count(where, field, value)
     for name in value:
         if not (isinstance(name, str) and PLAIN_NAME.fullmatch(name)):
             _refuse(where, field, name)
+
+
+def _count(where: str, field: str, value) -> None:
+    if len(value) > MAX_NAMES:
+        raise InputError(f'{where}: field "{field}" has {len(value)} entries, over the '
+                         f"{MAX_NAMES} grpogate lets PEFT match against every module (a "
+                         "model's linear modules number a few hundred); list the module names "
+                         "once each, or use target_modules \"all-linear\"")
 
 
 def check_module_patterns(config, where: str) -> None:
@@ -56,7 +71,10 @@ def check_module_patterns(config, where: str) -> None:
         value = config.get(field)
         if value is None or (field == "target_modules" and value == ALL_LINEAR):
             continue
-        if not (isinstance(value, list) and all(isinstance(name, str) for name in value)):
+        if not isinstance(value, list):
+            _refuse(where, field, value)
+        _count(where, field, value)
+        if not all(isinstance(name, str) for name in value):
             _refuse(where, field, value)
     for field in PASTED_LISTS:
         value = config.get(field)

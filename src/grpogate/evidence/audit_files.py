@@ -19,7 +19,8 @@ from typing import Any
 from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.manifest import PROBLEMS_FILE, RUN_FILES, build_manifest, trace_ids_sha256
-from grpogate.files import (ADAPTER_WEIGHTS, MAX_FILE_BYTES, FileTooLarge, confined_file,
+from grpogate.files import (ADAPTER_WEIGHTS, MAX_CHECKPOINT_BYTES, MAX_CHECKPOINT_FILE_BYTES,
+                            MAX_FILE_BYTES, FileTooLarge, confined_file,
                             jsonl_lines, parse_json, policy_version, read_confined, refuse_larger,
                             safetensors_sha256, sha256_bytes, sha256_confined, tolerated)
 from grpogate.files.tensors import MAX_SAFETENSORS_BYTES, lora_b_all_zero, safetensors_size
@@ -30,7 +31,9 @@ FLOAT_TOLERANCE = 1e-9
 # grpogate's adapter; a gated TRL run's copies its adapter config and weights): under 20.
 MAX_MANIFEST_FILES = 1000
 # All the distinct files an audit hashes, each once: the adapter weights at their cap, and twice
-# MAX_FILE_BYTES for the rest (a real run's are a few MB in all).
+# MAX_FILE_BYTES for the rest (a real run's are a few MB in all); a gated full checkpoint's
+# weight files add their own cap, MAX_CHECKPOINT_BYTES (files/bounds.py), hashed a block at a
+# time as the gate hashed them.
 MAX_HASHED_BYTES = MAX_SAFETENSORS_BYTES + 2 * MAX_FILE_BYTES
 
 
@@ -47,6 +50,7 @@ class Audit:
         self.hashed: dict[Path, str] = {}  # by resolved path: a file named twice is hashed once
         self.parsed_hashes: dict[Path, str] = {}  # of the bytes parsed, by the path they came from
         self.limits: dict[Path, int] = {}  # the most records a JSONL file may hold
+        self.shards: str | None = None  # "FOLDER/" of a gated full checkpoint's weight files
 
     def limit_records(self, run_dir: Path, limits: dict[str, int]) -> None:
         """At most limits[name] records in run_dir/name, checked as `numbered_jsonl` reads it."""
@@ -75,7 +79,8 @@ class Audit:
             return self.parsed_hashes[run_dir / name]
         path = confined_file(run_dir, name)
         if path not in self.hashed:
-            self.hashed[path] = sha256_confined(run_dir, name, hash_limit(name, weights))
+            self.hashed[path] = sha256_confined(run_dir, name,
+                                                hash_limit(name, weights, self.shards))
         return self.hashed[path]
 
     def mismatch(self, field: str, recorded: Any = None, recomputed: Any = None) -> None:
@@ -101,10 +106,14 @@ class Audit:
             self.mismatch(field, recorded, recomputed)
 
 
-def hash_limit(name: str, weights: str | None) -> int:
+def hash_limit(name: str, weights: str | None, shards: str | None = None) -> int:
     """The most bytes of run file `name` the audit hashes: MAX_SAFETENSORS_BYTES for the
-    adapter weights (named `weights`), MAX_FILE_BYTES for any other file. Chosen here alone,
-    for the budget taken before anything is hashed (_bound_hashing) and for each hash."""
+    adapter weights (named `weights`), MAX_CHECKPOINT_FILE_BYTES for a safetensors file in a
+    gated full checkpoint's folder (`shards`, "FOLDER/"), MAX_FILE_BYTES for any other file.
+    Chosen here alone, for the budget taken before anything is hashed (_bound_hashing) and for
+    each hash."""
+    if shards and name.startswith(shards) and name.endswith(".safetensors"):
+        return MAX_CHECKPOINT_FILE_BYTES
     return MAX_SAFETENSORS_BYTES if name == weights else MAX_FILE_BYTES
 
 
@@ -211,7 +220,7 @@ def check_hashes(audit: Audit, run_dir: Path, manifest: dict, evidence: dict,
     if adapter_path and (run_dir / adapter_path).is_dir():
         on_disk += [f"{adapter_path}/{p.name}" for p in sorted((run_dir / adapter_path).glob("*"))]
     weights = f"{adapter_path}/{ADAPTER_WEIGHTS}" if adapter_path and adapter else None
-    _bound_hashing(run_dir, [weights, *on_disk, *files], weights)
+    _bound_hashing(run_dir, [weights, *on_disk, *files], weights, audit.shards)
     _check_listed(audit, run_dir, files, weights)
     for name in on_disk:
         if name not in files:
@@ -247,12 +256,14 @@ def normal_name(name: Any) -> bool:
             and all(part not in ("", ".", "..") for part in name.split("/")))
 
 
-def _bound_hashing(run_dir: Path, names: list, weights: str | None) -> None:
+def _bound_hashing(run_dir: Path, names: list, weights: str | None,
+                   shards: str | None = None) -> None:
     """FileTooLarge before anything is hashed: each distinct regular file inside the run that a
     name in normal form reaches, counted once, within its limit (the adapter weights: exactly
     the size their header declares, tensors.safetensors_size, or MAX_SAFETENSORS_BYTES when the
-    header is malformed, named by anchored_versions; any other file MAX_FILE_BYTES), and all
-    of them within MAX_HASHED_BYTES."""
+    header is malformed, named by anchored_versions; any other file `hash_limit`'s), and all
+    of them within MAX_HASHED_BYTES, plus MAX_CHECKPOINT_BYTES with a full checkpoint's
+    `shards`."""
     sizes: dict[Path, int] = {}
     for name in names:
         path = confined(run_dir, name) if normal_name(name) else None
@@ -264,9 +275,10 @@ def _bound_hashing(run_dir: Path, names: list, weights: str | None) -> None:
                 size = safetensors_size(path)  # named by anchored_versions
         if size is None:
             size = refuse_larger(f"{run_dir}/{name}", path.stat().st_size,
-                                 hash_limit(name, weights), "a run file")
+                                 hash_limit(name, weights, shards), "a run file")
         sizes[path] = size
-    refuse_larger(run_dir, sum(sizes.values()), MAX_HASHED_BYTES,
+    refuse_larger(run_dir, sum(sizes.values()),
+                  MAX_HASHED_BYTES + (MAX_CHECKPOINT_BYTES if shards else 0),
                   "the files an audit hashes in all")
 
 

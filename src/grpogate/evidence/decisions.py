@@ -21,8 +21,9 @@ from typing import Any
 from grpogate.evidence.check_rows import (_gate_row, _get, _is_positive_int,  # noqa: F401
                                           _non_empty_str, _retest_skipped, _row, _same_version)
 from grpogate.evidence.retest_checks import (_effective_update_row, _gain_row,  # noqa: F401
-                                             _guard_row, _retest_kl_row, gain_rule, gain_rule_line,
-                                             identical_retest, no_change_reason, stopping_row)
+                                             _finite_retest_row, _guard_row, _retest_kl_row,
+                                             gain_rule, gain_rule_line, identical_retest,
+                                             no_change_reason, stopping_row)
 from grpogate.evidence.step_checks import steps_rows
 from grpogate.gates import (GATE_NAMES, SWITCH_GATE_NAMES, finite_number,  # noqa: F401
                             validate_gates)  # GATE_NAMES, validate_gates: re-exported
@@ -277,10 +278,11 @@ def decide_grpo_delivery(rollout: Any, candidate: Any, artifact: Any) -> dict[st
 
 def run_checks(evidence: Any, gates: Any) -> list[dict[str, Any]]:
     """One row per whole-run check {"name", "value", "threshold", "passed", "on_fail"}, in
-    order: contract, (a gated foreign run: baseline_identity, isolation; a grpogate run: steps,)
+    order: contract, (a gated foreign run: baseline_identity, finite_weights, isolation; a
+    grpogate run: steps,)
     execution, effective_groups, effective_throughput, updates, reward, pass_at_group, truncation,
-    length_budget, guard, retest_kl, memory, artifact (guard and retest_kl only when the gates
-    hold theirs)."""
+    length_budget, guard, retest_kl, finite_retest, memory, artifact (guard and retest_kl only
+    when the gates hold theirs, finite_retest only when a re-test value was NaN or infinite)."""
     admitted = _get(evidence, "contract", "admitted")
     contract = _row("contract", admitted if isinstance(admitted, bool) else None, True,
                     admitted is True, "reject")
@@ -294,7 +296,8 @@ def run_checks(evidence: Any, gates: Any) -> list[dict[str, Any]]:
                               gates, "maximum_max_length_hit_ratio")
     memory = candidate_rows.pop()  # docs/design.md §5's order: length_budget before memory
     # What the update cost: the guard set and the drift (absent rows: gates that predate them).
-    safety = [row for row in (_guard_row(evidence, gates), _retest_kl_row(evidence, gates)) if row]
+    safety = [row for row in (_guard_row(evidence, gates), _retest_kl_row(evidence, gates),
+                              _finite_retest_row(evidence)) if row]
     changed = [row for row in (_effective_update_row(evidence), stopping_row(evidence, gates))
                if row]
     return [contract, *_foreign_admission_rows(evidence), *steps_rows(evidence),
@@ -317,9 +320,22 @@ def _foreign_admission_rows(evidence: Any) -> list[dict[str, Any]]:
     return [
         _row("baseline_identity", identity if isinstance(identity, bool) else None, True,
              identity is True, "reject"),
+        *_finite_weights_row(admission),
         _row("isolation", shared if checked is True else "not checked", 0,
              checked is True and shared == 0, "tune"),
     ]
+
+
+def _finite_weights_row(admission: Any) -> list[dict[str, Any]]:
+    """No candidate tensor holds NaN or an infinite value (else `reject`: a diverged model's
+    re-test measures nothing); the value is the count of tensors that do. No row for a run
+    recorded before the check."""
+    if not isinstance(admission, dict) or "finite_weights" not in admission:
+        return []
+    count = _get(admission, "finite_weights", "non_finite_tensors")
+    usable = isinstance(count, int) and not isinstance(count, bool) and count >= 0
+    return [_row("finite_weights", count if usable else None, 0, usable and count == 0,
+                 "reject")]
 
 
 def decide_run(evidence: Any, gates: Any) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from grpogate.evidence.audit_bounds import BoundedAudit
 from grpogate.evidence.rescore import record_limits
 from grpogate.evidence.trainer_log import assemble_foreign_evidence, foreign_facts
 from grpogate.files import parse_json, policy_version, read_confined, tolerated
-from grpogate.inputs.candidate_dir import FULL_CHECKPOINT, checkpoint_identity
+from grpogate.inputs.candidate_dir import FULL_CHECKPOINT, checkpoint_identity, finite_weights
 from grpogate.inputs.tasks import problem_set_hash, stored_sets
 
 TRAINER_STATE_FILE = "trainer_state.json"  # the foreign log, copied byte for byte into the run
@@ -132,6 +132,23 @@ def _candidate_version(audit: Audit, run_dir: Path, evidence: dict) -> str | Non
     return policy_version(identity, None)
 
 
+def _check_finite_weights(audit: Audit, run_dir: Path, evidence: dict) -> None:
+    """The admission's finite-weights check, recomputed by its own function from the weight
+    files as copied into the run (artifact.path); a run recorded before the check has none."""
+    admission = evidence["foreign"]["admission"]
+    if "finite_weights" not in admission:
+        return
+    folder = str(evidence["artifact"]["path"])
+    weights = sorted(path.name for path in (run_dir / folder).glob("*.safetensors")
+                     if confined(run_dir, f"{folder}/{path.name}") is not None)
+    with tolerated() as failed:
+        recomputed = finite_weights(run_dir / folder, weights)
+    if failed.error:
+        audit.mismatch(f"foreign.admission.finite_weights ({failed.error})")
+        return
+    audit.compare("foreign.admission.finite_weights", admission["finite_weights"], recomputed)
+
+
 def audit_foreign_run(run_dir: str | Path) -> dict[str, Any]:
     """The result has the shape of `audit_run`'s, plus "not_checkable" (a sentence). A re-test
     file with more records than the recorded config allows is refused as it is read."""
@@ -149,10 +166,13 @@ def audit_foreign_run(run_dir: str | Path) -> dict[str, Any]:
     guard_records = [record for _, record in numbered_guard]
     try:
         full = evidence["foreign"].get("candidate_kind") == FULL_CHECKPOINT
+        if full:  # its weight files are hashed within a checkpoint's bounds
+            audit.shards = f"{evidence['artifact']['path']}/"
         if manifest:
             check_hashes(audit, run_dir, manifest, evidence, [], adapter=not full)
         versions = anchored_versions(audit, run_dir, evidence,
                                      _candidate_version(audit, run_dir, evidence))
+        _check_finite_weights(audit, run_dir, evidence)
         log = _stored_log(audit, run_dir, evidence)
         check_table_identity(audit, evidence)
         refs = _check_problems(audit, run_dir, evidence) or {}

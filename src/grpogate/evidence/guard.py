@@ -70,6 +70,11 @@ def guard_section(config: dict, guard_records: list[dict], bootstrap: dict,
         "identical_completions": metrics.identical_pairs(guard_records)}
 
 
+NON_FINITE_NOTE = ("completions whose entropy or KL was NaN or infinite (the candidate's "
+                   "logits were): recorded as null; the means are null and the finite_retest "
+                   "check rejects the candidate")
+
+
 def sample_differences(records: list[dict]) -> list[float]:
     """Candidate minus baseline reward of every paired guard sample (same prompt, same sample
     index: the same seed), in the baseline records' order (round by round): the observations
@@ -83,11 +88,14 @@ def sample_differences(records: list[dict]) -> list[float]:
 
 
 def _token_weighted(records: list[dict], key: str) -> tuple[float | None, int]:
-    """(sum of value x completion tokens / tokens, tokens) over the records carrying `key`."""
-    weighted = [(float(r[key]), int(r["completion_tokens"])) for r in records if key in r]
+    """(sum of value x completion tokens / tokens, tokens) over the records carrying `key`; the
+    mean is None when a record holds null there (a NaN or infinite value, sampling/retest.py):
+    no mean of a diverged model's values is a number."""
+    weighted = [(None if r[key] is None else float(r[key]), int(r["completion_tokens"]))
+                for r in records if key in r]
     tokens = sum(n for _, n in weighted)
-    if not tokens:
-        return None, 0
+    if not tokens or any(value is None for value, _ in weighted):
+        return None, tokens
     return math.fsum(value * n for value, n in weighted) / tokens, tokens
 
 
@@ -100,7 +108,10 @@ def drift_section(eval_records: list[dict]) -> dict | None:
                  for name in ("baseline", "candidate")}
     kl, kl_tokens = _token_weighted(by_policy["candidate"], "kl_to_baseline")
     entropy = {name: _token_weighted(records, "entropy") for name, records in by_policy.items()}
+    non_finite = sum(1 for r in eval_records if r.get("non_finite"))
     return {"measure": DRIFT_MEASURE, "kl_to_baseline": kl, "kl_tokens": kl_tokens,
+            **({"non_finite_completions": non_finite, "non_finite_note": NON_FINITE_NOTE}
+               if non_finite else {}),
             "entropy": {name: value for name, (value, _) in entropy.items()},
             "entropy_tokens": {name: tokens for name, (_, tokens) in entropy.items()},
             "trust": DRIFT_TRUST}

@@ -57,6 +57,11 @@ ADVICE = {
                  "raise beta, lower --lr or train fewer steps",
     "effective_update": "the candidate answers the re-test exactly as the baseline does: the "
                         "update changed nothing measurable; raise --lr or train more steps",
+    "finite_weights": "the candidate's weights hold NaN or infinite values (what a diverged "
+                      "training run leaves): it was not re-tested; take an earlier checkpoint "
+                      "or train again with a lower learning rate",
+    "finite_retest": "the candidate's re-test gave NaN or infinite entropies or KL (its logits "
+                     "overflow): it computes no usable distribution; take an earlier checkpoint",
     "memory": "peak memory above the gate: lower micro_batch_size or generation_batch_size",
     "artifact": "the adapter is missing or does not hash as recorded: do not deliver this "
                 "directory; run again",

@@ -268,6 +268,16 @@ def _retest_kl_row(evidence: Any, gates: Any) -> dict[str, Any] | None:
     return _gate_row("retest_kl", kl, gates, "maximum_retest_kl")
 
 
+def _finite_retest_row(evidence: Any) -> dict[str, Any] | None:
+    """The re-test's entropies and KL are finite numbers (else `reject`: a model whose logits
+    are NaN or infinite samples noise). The drift section counts the completions that were not
+    (guard.drift_section) only when there are any, so the row exists only to fail."""
+    count = _get(evidence, "comparison", "drift", "non_finite_completions")
+    if count is None:
+        return None
+    return _row("finite_retest", count, 0, False, "reject")
+
+
 def test_lines(decision: dict) -> list[str]:
     """One line per gate the sequential test decided: its bounds, its status and its looks."""
     lines = []

@@ -25,14 +25,16 @@ from pathlib import Path
 
 from grpogate.errors import InputError
 from grpogate.files.bounds import (  # noqa: F401  (the files API: bounds.py)
-    MAX_FILE_BYTES, MAX_JSONL_LINES, FileTooLarge, descriptor_size, refuse_larger, tolerated)
+    MAX_CHECKPOINT_BYTES, MAX_CHECKPOINT_FILE_BYTES, MAX_FILE_BYTES, MAX_JSONL_LINES, FileTooLarge,
+    descriptor_size, refuse_larger, tolerated)
 from grpogate.files.confine import (  # noqa: F401  (the files API: confine.py)
     confined_file, confined_path, open_in_run_dir, read_confined, run_folder, sha256_confined,
     write_in_run_dir)
 from grpogate.files.json_text import MAX_JSON_STRING_CHARS  # noqa: F401  (files API)
 from grpogate.files.json_text import compact_text, scan as scan_json_text
 from grpogate.files.tensors import (  # noqa: F401  (the files API: tensors.py)
-    policy_version, read_safetensors, safetensors_names, safetensors_sha256, tensors_digest)
+    non_finite_counts, policy_version, read_safetensors, safetensors_names, safetensors_sha256,
+    tensors_digest)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the LoRA weights file of every adapter directory
 

@@ -30,6 +30,14 @@ MAX_FILE_BYTES = 1 << 30
 # run's shortest line is 340 bytes), so a real file within MAX_FILE_BYTES has at most
 # 2**30 / 340 = 3.16 million lines, under 2**22 = 4,194,304.
 MAX_JSONL_LINES = 1 << 22
+# A full checkpoint gated as a candidate (`gate --candidate`): each safetensors file, and all of
+# them. transformers' save_pretrained shards at 5 GB by default (verl and OpenRLHF save with it)
+# and the Hugging Face Hub takes no file over 50 GB, so a shard of the Hub's maximum is
+# admitted; 256 GiB holds a 72B model in bfloat16 (about 145 GB) or a 7B in float32 (30 GB).
+# Each byte costs time, not memory: it is copied, hashed and checked for NaN a 4 MiB block at a
+# time, and the re-test maps the tensors from the copy (docs/design.md §12).
+MAX_CHECKPOINT_FILE_BYTES = 50 << 30
+MAX_CHECKPOINT_BYTES = 256 << 30
 
 
 class FileTooLarge(InputError):

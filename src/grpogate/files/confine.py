@@ -60,17 +60,18 @@ def confined_path(root: str | Path, name: str, *, directory: bool = False,
     return path
 
 
-def confined_file(root: str | Path, name: str) -> Path:
+def confined_file(root: str | Path, name: str, within: str = "the run directory") -> Path:
     """`confined_path` of a regular file."""
-    return confined_path(root, name)
+    return confined_path(root, name, within=within)
 
 
 @contextlib.contextmanager
-def open_confined(root: str | Path, name: str, limit: int, what: str):
+def open_confined(root: str | Path, name: str, limit: int, what: str,
+                  within: str = "the run directory"):
     """(stream, size) of `confined_file(root, name)` opened without blocking and checked again
     on the open descriptor (a file swapped for a FIFO after the check is refused, not waited
     on), its size within `limit` (FileTooLarge, naming root/name and `what`)."""
-    path = confined_file(root, name)
+    path = confined_file(root, name, within)
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(descriptor, "rb") as stream:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
@@ -79,11 +80,12 @@ def open_confined(root: str | Path, name: str, limit: int, what: str):
 
 
 def read_confined(root: str | Path, name: str, limit: int = MAX_FILE_BYTES,
-                  what: str = "a run file grpogate parses") -> bytes:
+                  what: str = "a run file grpogate parses", within: str = "the run directory"
+                  ) -> bytes:
     """The bytes of `confined_file(root, name)`, read as `open_confined` opens it: its size
     then, at most `limit` (a file growing while read is read no further; `what` names the
-    file's kind in the refusal)."""
-    with open_confined(root, name, limit, what) as (stream, size):
+    file's kind in the refusal, `within` the folder's)."""
+    with open_confined(root, name, limit, what, within) as (stream, size):
         return stream.read(size)
 
 
@@ -96,6 +98,27 @@ def sha256_confined(root: str | Path, name: str, limit: int = MAX_FILE_BYTES) ->
             digest.update(block)
             size -= len(block)
     return digest.hexdigest()
+
+
+def sha256_regular(path: str | Path, limit: int, what: str) -> tuple[str, int]:
+    """(sha256, size) of a file outside any run directory that grpogate only hashes (a model
+    folder the user or a candidate names): opened without blocking, following links (a Hugging
+    Face snapshot links each file into its blobs) but only to a regular file, checked on the
+    open descriptor, its size then within `limit` (FileTooLarge naming `what`), streamed a block
+    at a time; a link to /dev/zero or a FIFO is refused, never read."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise InputError(f"{path}: unreadable ({error.strerror})") from None
+    digest = hashlib.sha256()
+    with os.fdopen(descriptor, "rb") as stream:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise InputError(f"{path}: {NOT_REGULAR}")
+        size = remaining = descriptor_size(descriptor, path, limit, what)
+        while remaining > 0 and (block := stream.read(min(1 << 22, remaining))):
+            digest.update(block)
+            remaining -= len(block)
+    return digest.hexdigest(), size
 
 
 # --- writing -----------------------------------------------------------------------------------

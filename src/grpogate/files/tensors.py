@@ -68,12 +68,14 @@ def _open_regular(path: str | Path):
     return stream
 
 
-def _layout(stream, path) -> tuple[int, int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
+def _layout(stream, path, limit: int = MAX_SAFETENSORS_DATA
+            ) -> tuple[int, int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
     """(offset of the tensor bytes, their count, {name: (dtype, shape, begin, end)}) of an open
     safetensors file, read from its header alone; InputError (naming the file and what is
     wrong) for an empty, truncated or malformed one, FileTooLarge for one longer than its
-    header declares or declaring over MAX_SAFETENSORS_DATA. The messages quote no byte of the
-    file: a file that is not safetensors may be anything (a key, /etc/passwd)."""
+    header declares or declaring over `limit` tensor bytes (default MAX_SAFETENSORS_DATA, an
+    adapter's; a checkpoint shard's is bounds.MAX_CHECKPOINT_FILE_BYTES). The messages quote no
+    byte of the file: a file that is not safetensors may be anything (a key, /etc/passwd)."""
     size = os.fstat(stream.fileno()).st_size
     if size < 8:
         raise InputError(f"{path}: not a safetensors file ({size} bytes; truncated or empty)")
@@ -91,21 +93,22 @@ def _layout(stream, path) -> tuple[int, int, dict[str, tuple[str, tuple[int, ...
     available, tensors = size - 8 - header_size, {}
     for name, entry in header.items():
         if name != "__metadata__":
-            tensors[name] = _safetensors_entry(path, name, entry, available)
+            tensors[name] = _safetensors_entry(path, name, entry, available, limit)
     position = 0
     for _, _, begin, end in sorted(tensors.values(), key=lambda t: t[2:]):
         if begin != position:  # the format packs tensors back to back, no overlaps
             raise InputError(f"{path}: tensors overlap or leave gaps in the data (offset {begin}, "
                              f"expected {position})")
         position = end
-    refuse_larger(path, position, MAX_SAFETENSORS_DATA, "the tensors of a safetensors file")
+    refuse_larger(path, position, limit, "the tensors of a safetensors file")
     refuse_larger(path, size, 8 + header_size + position,
                   f"this safetensors file (8 + {header_size} header + {position} tensor bytes, "
                   "as its header declares)")
     return 8 + header_size, position, tensors
 
 
-def _safetensors_entry(path, name, entry, available) -> tuple[str, tuple[int, ...], int, int]:
+def _safetensors_entry(path, name, entry, available, limit: int
+                       ) -> tuple[str, tuple[int, ...], int, int]:
     ok = (isinstance(entry, dict) and entry.get("dtype") in SAFETENSORS_DTYPES
           and isinstance(entry.get("shape"), list)
           and all(type(d) is int and d >= 0 for d in entry["shape"])
@@ -118,9 +121,9 @@ def _safetensors_entry(path, name, entry, available) -> tuple[str, tuple[int, ..
     count = 0 if 0 in shape else SAFETENSORS_DTYPES[dtype][1]
     for dim in shape:  # stops past the cap: a product of many huge dims is never computed
         count *= dim
-        if count > MAX_SAFETENSORS_DATA:
+        if count > limit:
             raise FileTooLarge(f"{path}: tensor {name!r} ({dtype}, {len(shape)} dims) holds "
-                               f"over {MAX_SAFETENSORS_DATA} bytes, the limit of the tensors of a "
+                               f"over {limit} bytes, the limit of the tensors of a "
                                "safetensors file; not what grpogate writes")
     if end - begin != count or end > available:
         raise InputError(f"{path}: tensor {name!r} ({dtype}, {count} bytes) has data offsets "
@@ -140,10 +143,11 @@ def read_safetensors(path: str | Path) -> dict[str, tuple[str, tuple[int, ...], 
             for name, (dtype, shape, begin, end) in tensors.items()}
 
 
-def _header(path: str | Path) -> tuple[int, int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
+def _header(path: str | Path, limit: int = MAX_SAFETENSORS_DATA
+            ) -> tuple[int, int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
     """`_layout` of the safetensors file at `path`, read from its header alone."""
     with _open_regular(path) as stream:
-        return _layout(stream, path)
+        return _layout(stream, path, limit)
 
 
 def safetensors_size(path: str | Path) -> int:
@@ -152,10 +156,11 @@ def safetensors_size(path: str | Path) -> int:
     return start + length
 
 
-def safetensors_names(path: str | Path) -> set[str]:
-    """The tensor names of a safetensors file, from its header alone (`_layout`'s errors): no
-    tensor byte is read, so listing an adapter costs its header, not its weights."""
-    return set(_header(path)[2])
+def safetensors_names(path: str | Path, limit: int = MAX_SAFETENSORS_DATA) -> set[str]:
+    """The tensor names of a safetensors file, from its header alone (`_layout`'s errors, its
+    tensors within `limit` bytes): no tensor byte is read, so listing an adapter or a shard
+    costs its header, not its weights."""
+    return set(_header(path, limit)[2])
 
 
 def _blocks(stream, path, begin: int, end: int):
@@ -195,6 +200,36 @@ def lora_b_all_zero(path: str | Path) -> bool:
         if np.any(words & np.array((1 << (8 * width - 1)) - 1, dtype=f"<u{width}")):
             return False
     return bool(tensors)
+
+
+# A floating-point value is NaN or infinite exactly when its exponent bits are all ones (IEEE
+# 754; float8 E4M3FN has no infinity and one NaN pattern per sign, S.1111.111): the mask of
+# those bits per dtype, and the little-endian word that holds one value.
+_NON_FINITE_BITS = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000),
+                    "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80), "F8_E5M2": ("u1", 0x7C),
+                    "F8_E4M3": ("u1", 0x7F)}
+
+
+def non_finite_counts(path: str | Path, limit: int = MAX_SAFETENSORS_DATA
+                      ) -> tuple[int, dict[str, int]]:
+    """(floating-point tensors read, {tensor name: its NaN and infinite values} for those that
+    hold any) of a safetensors file, bounded by its header (`_layout`) and streamed a block at a
+    time: memory stays at one block whatever the file's size. Integer and bool tensors hold no
+    NaN and are not counted."""
+    read, counts = 0, {}
+    with _open_regular(path) as stream:
+        start, _, tensors = _layout(stream, path, limit)
+        for name, (dtype, _, begin, end) in sorted(tensors.items(), key=lambda t: t[1][2]):
+            if dtype not in _NON_FINITE_BITS:
+                continue
+            word, bits = _NON_FINITE_BITS[dtype]
+            mask, found = np.array(bits, dtype=word), 0
+            for block in _blocks(stream, path, start + begin, start + end):
+                found += int(np.count_nonzero((np.frombuffer(block, dtype=word) & mask) == mask))
+            read += 1
+            if found:
+                counts[name] = found
+    return read, counts
 
 
 def policy_version(base_sha256: str, adapter_sha256: str | None) -> str:

@@ -14,8 +14,30 @@ from pathlib import Path
 
 from grpogate.errors import InputError, first_line
 from grpogate.files import ADAPTER_WEIGHTS, policy_version, safetensors_names, safetensors_sha256
+from grpogate.files.tensors import safetensors_size
 from grpogate.inputs.policy import (TRAINABLE, Policy, adapter_state, check_adapter_dir,
                                     current_version)
+
+
+# A LoRA's A and B of rank r on a layer of shape [out, in] hold r x (in + out) values, at most
+# twice the layer's when r <= min(in, out); modules saved whole (modules_to_save) add at most
+# one more copy. So an adapter file past 3x its base model's weights is no adapter of it.
+MAX_ADAPTER_TO_MODEL = 3
+
+
+def _refuse_larger_than_its_model(policy: Policy, weights) -> None:
+    """InputError, from the file's header alone, before PEFT reads a tensor byte, for adapter
+    weights past MAX_ADAPTER_TO_MODEL times the base model's (a 2 GiB file on a 13 MB model
+    was read whole into memory)."""
+    base = policy.model.get_base_model()
+    model_bytes = sum(p.numel() * p.element_size() for name, p in base.named_parameters()
+                      if "lora_" not in name)
+    size = safetensors_size(weights)
+    if size > MAX_ADAPTER_TO_MODEL * model_bytes:
+        raise InputError(f"{weights}: {size} bytes, over {MAX_ADAPTER_TO_MODEL} times its base "
+                         f"model's {model_bytes} bytes of weights (a LoRA of rank up to a "
+                         "layer's width, with modules saved whole, holds at most that); not an "
+                         "adapter of this model")
 
 
 def attach_candidate(policy: Policy, adapter_dir: str | Path) -> str:
@@ -24,6 +46,7 @@ def attach_candidate(policy: Policy, adapter_dir: str | Path) -> str:
     tensors change on loading (the version recorded must be the file's own)."""
     adapter_dir = check_adapter_dir(str(adapter_dir))
     model = policy.model
+    _refuse_larger_than_its_model(policy, adapter_dir / ADAPTER_WEIGHTS)
     try:
         model.delete_adapter(TRAINABLE)
         model.load_adapter(adapter_dir, adapter_name=TRAINABLE, is_trainable=False)

@@ -23,7 +23,9 @@ import tempfile
 from pathlib import Path
 
 from grpogate.errors import InputError
-from grpogate.files import sha256_path
+from grpogate.files import (MAX_CHECKPOINT_BYTES, MAX_CHECKPOINT_FILE_BYTES, MAX_FILE_BYTES,
+                            sha256_path)
+from grpogate.files.confine import sha256_regular
 from grpogate.files.cache_dir import open_verified, read_record, untrusted_reason, write_record
 
 LOG = logging.getLogger("grpogate")  # the CLI prints these lines (terminal.quiet_libraries)
@@ -39,14 +41,24 @@ def files_digest(files: dict[str, str]) -> str:
 
 
 def directory_weights_sha256(directory: Path) -> str:
-    """files_digest of a model directory's weights and config.json: a local model's identity."""
+    """files_digest of a model directory's weights and config.json: a local model's identity.
+    Each file is hashed as `sha256_regular` reads it (a regular file, checked on the open
+    descriptor; a weight file within MAX_CHECKPOINT_FILE_BYTES, config.json within
+    MAX_FILE_BYTES) and all within MAX_CHECKPOINT_BYTES: a folder an adapter names as its base
+    model is a stranger's path too (a model.safetensors linking to /dev/zero is refused)."""
     files = sorted(p for p in directory.iterdir()
                    if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
     if not any(p.suffix == ".safetensors" for p in files):
         # Pickled *.bin weights can run code when loaded: a local model loads from safetensors.
         raise InputError(f"{directory}: no model weights (*.safetensors) in this directory; "
                          "pickled *.bin weights are not loaded")
-    return files_digest({path.name: sha256_path(path) for path in files})
+    hashes, total = {}, 0
+    for path in files:
+        limit = MAX_FILE_BYTES if path.name == "config.json" else MAX_CHECKPOINT_FILE_BYTES
+        hashes[path.name], size = sha256_regular(path, min(limit, MAX_CHECKPOINT_BYTES - total),
+                                                 "a model folder's file (with those before it)")
+        total += size
+    return files_digest(hashes)
 
 
 def dequantized_cache(gguf: Path, gguf_sha256: str, cache_root: Path) -> tuple[Path, str]:

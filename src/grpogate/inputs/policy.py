@@ -176,7 +176,9 @@ def check_adapter_dir(adapter: str) -> Path:
     if not (path / ADAPTER_WEIGHTS).is_file():
         # Pickled adapter_model.bin can execute code on load: only safetensors are accepted.
         raise InputError(f"{adapter}: no {ADAPTER_WEIGHTS}; adapters load only from safetensors")
-    read_safetensors(path / ADAPTER_WEIGHTS)  # an empty or truncated file is bad input, here
+    # An empty, truncated or malformed file is bad input, here; its header alone is read (the
+    # tensors, up to tensors.MAX_SAFETENSORS_DATA, are read once, by PEFT).
+    safetensors_names(path / ADAPTER_WEIGHTS)
     try:
         document = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:

@@ -24,7 +24,7 @@ from pathlib import Path
 from grpogate.errors import InputError
 from grpogate.config.adapter_patterns import check_module_patterns
 from grpogate.files import (ADAPTER_WEIGHTS, confined_path, descriptor_size,
-                            parse_json, read_confined, read_safetensors)
+                            parse_json, read_confined, safetensors_names)
 
 TRAINER_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -52,15 +52,18 @@ class TrlOutput:
         return str(self.adapter_config.get("base_model_name_or_path") or "")
 
 
-def read_json_file(path: Path, root: Path | None = None) -> object:
+def read_json_file(path: Path, root: Path | None = None, within: str = WITHIN) -> object:
     """A JSON document read through the confinement rule (files/confine.py) of `root` (the TRL
-    output directory; default the file's own folder): inside it once resolved, a regular file,
-    at most MAX_JSON_BYTES, checked before a byte is read. InputError naming the file, line
-    and column."""
+    output directory, named `within`; default the file's own folder): inside it once resolved,
+    a regular file, at most MAX_JSON_BYTES, checked before a byte is read. InputError naming
+    the file, line and column; a link out of `root` is named a link."""
     root = root or path.parent
+    if path.is_symlink() and not path.resolve().is_relative_to(Path(root).resolve()):
+        raise InputError(f"{path}: a symbolic link to a file outside {within}; grpogate reads "
+                         "no file outside it (copy the file in its place)")
     try:  # parse_json: depth bound, duplicate keys and lone surrogates refused, as for a run
         data = read_confined(root, str(path.relative_to(root)), MAX_JSON_BYTES,
-                             "a trainer's JSON file")
+                             "a trainer's JSON file", within)
         return parse_json(data, str(path))
     except UnicodeDecodeError as error:
         raise InputError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
@@ -106,15 +109,16 @@ def _adapter_dir(directory: Path) -> Path:
     raise AssertionError("unreachable")
 
 
-def read_adapter(directory: Path, adapter_dir: Path) -> dict:
+def read_adapter(directory: Path, adapter_dir: Path, within: str = WITHIN) -> dict:
     weights = adapter_dir / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise InputError(f"{adapter_dir}: no {ADAPTER_WEIGHTS} (adapters load only from "
                          "safetensors; adapter_model.bin is a pickle and is never loaded)")
     # The weights as the confinement rule admits them (a link out of the directory refused);
     # an empty or truncated file is bad input, here.
-    read_safetensors(confined_path(directory, str(weights.relative_to(directory)), within=WITHIN))
-    config = read_json_file(adapter_dir / ADAPTER_CONFIG, directory)
+    # Its header alone: the tensors (up to tensors.MAX_SAFETENSORS_DATA) are read by PEFT.
+    safetensors_names(confined_path(directory, str(weights.relative_to(directory)), within=within))
+    config = read_json_file(adapter_dir / ADAPTER_CONFIG, directory, within)
     if not isinstance(config, dict):
         raise InputError(f"{adapter_dir / ADAPTER_CONFIG}: not a JSON object")
     if config.get("peft_type") not in (None, "LORA"):

@@ -11,6 +11,7 @@ This module yields per-completion records; `metrics` reduces them.
 from __future__ import annotations
 
 import contextlib
+import math
 
 from grpogate.config import RunConfig
 from grpogate.distributed import SINGLE, World, agree_stop, in_shard_order, shard
@@ -120,10 +121,26 @@ def retest_both(policy: Policy, problems: list[Problem], prompts: list[list[int]
         for (records, _), measured in zip(mine.values(), values):
             for record, extra in zip(records, measured):
                 record.update(extra)
+                _null_non_finite(record)
     gathered = [r for name in ("baseline", "candidate")
                 for r in _gathered(world, mine[name][0], positions, group_size)]
     errors = world.all_gather_object(verifier.error_count - errors_before)
     return gathered, sum(errors)
+
+
+def _null_non_finite(record: dict) -> None:
+    """A drift value that is NaN or infinite (the candidate's logits were: a diverged model) is
+    recorded as null with its name under "non_finite": JSON has no NaN, and the drift section
+    then has no mean: the finite_retest check rejects the candidate instead of the run
+    crashing."""
+    bad = [key for key in DRIFT_KEYS if key in record and not math.isfinite(record[key])]
+    for key in bad:
+        record[key] = None
+    if bad:
+        record["non_finite"] = bad
+
+
+DRIFT_KEYS = ("entropy", "kl_to_baseline")
 
 
 class _LockstepDrift:
