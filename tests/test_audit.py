@@ -245,12 +245,20 @@ def test_audit_and_compare_do_not_import_torch(run_dir):
 def test_unreadable_files_are_mismatches_not_crashes(run_dir):
     (run_dir / "trajectories.jsonl").write_bytes(b"\xff\xfe not text")
     assert "trajectories.jsonl (not UTF-8 text)" in fields(audit_run(run_dir))
+    # evidence.json itself: nothing to re-decide from, so bad input (exit 2, as decide's help
+    # says), not a decision.
     (run_dir / "evidence.json").write_text("{truncated")
-    audit = audit_run(run_dir)
-    assert audit["decision"] == "reject" and audit["checks"] == []
-    assert audit["mismatches"][0]["field"].startswith("evidence.json (not valid JSON")
+    with pytest.raises(InputError, match=r"evidence.json: unreadable \(not valid JSON: "):
+        audit_run(run_dir)
     result = CliRunner().invoke(app, ["decide", str(run_dir)])
-    assert result.exit_code == 4
+    assert result.exit_code == 2 and result.stdout.strip() == ""
+    assert result.stderr.startswith(f"error: {run_dir}/evidence.json: unreadable (not valid JSON")
+    assert result.stderr.count("\n") == 1
+    (run_dir / "evidence.json").write_text('{"decision": {}}')
+    result = CliRunner().invoke(app, ["decide", str(run_dir), "--json"])
+    assert result.exit_code == 2 and result.stdout.strip() == "", result.output
+    assert result.stderr == (f"error: {run_dir}/evidence.json: unreadable (no config: not a "
+                             "grpogate evidence file); not a readable run directory\n")
 
 
 def swap_adapter_and_recompute_hashes(run_dir, values=(9.0, 9.0)):
@@ -319,8 +327,9 @@ def test_decide_on_a_malformed_run_directory_is_one_error_line(run_dir, damage, 
     damage(run_dir)
     result = CliRunner().invoke(app, ["decide", str(run_dir)])
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert result.stdout.strip() == ""
 
 
 def test_a_tampered_reward_component_or_its_version_is_named(run_dir):

@@ -50,8 +50,9 @@ def refused(run: Path) -> str:
     before = snapshot(run)
     result = CliRunner().invoke(app, ["decide", str(run)])
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert result.stdout.strip() == ""
     assert snapshot(run) == before
     return lines[0].removeprefix("error: ")
 

@@ -47,8 +47,10 @@ def grpogate_cli(*args, cap: int = 2 * GiB, timeout: int = 120) -> subprocess.Co
 def one_error(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-2000:])
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stdout[-2000:]
+    # stderr: the one error line (libraries may log there before it); stdout: nothing.
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    assert result.stdout.strip() == "", result.stdout[-2000:]
     return lines[0]
 
 

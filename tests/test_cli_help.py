@@ -141,7 +141,7 @@ def test_library_noise_is_quiet_and_grpogates_own_lines_are_shown(tiny_model_dir
     AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert "Loading weights" not in capfd.readouterr().err
     logging.getLogger("grpogate").info("dequantizing x.gguf (first use only, about 20 s)")
-    assert "dequantizing x.gguf" in capfd.readouterr().out
+    assert "dequantizing x.gguf" in capfd.readouterr().err  # a message: stderr
 
 
 def test_the_first_use_of_a_gguf_says_it_is_dequantizing(tmp_path, caplog, monkeypatch):

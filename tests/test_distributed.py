@@ -326,7 +326,7 @@ def test_grpogate_run_nproc_names_a_killed_rank_in_one_line_and_the_resume_works
     killed = grpogate_job([*cli_args(tiny_model_dir, run_dir), "--nproc", "2"], environment,
                           tmp_path)
     terminal = killed.stdout + killed.stderr
-    errors = [line for line in killed.stdout.splitlines() if line.startswith("error:")]
+    errors = [line for line in killed.stderr.splitlines() if line.startswith("error:")]
     assert killed.returncode == 1 and len(errors) == 1, terminal[-4000:]
     log = run_dir / "torchrun-failure.log"
     assert errors[0] == (

@@ -46,8 +46,9 @@ def invoke(args: list[str]):
 
 
 def one_error_line(result, code: int, fragment: str) -> None:
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.exit_code == code, result.output
+    assert result.stdout.strip() == "", result.output
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     assert fragment in lines[0], lines[0]
 

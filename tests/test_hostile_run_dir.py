@@ -61,8 +61,9 @@ def grpogate(*args, paths=(), marker=None, timeout=120) -> subprocess.CompletedP
 
 
 def error_line(result) -> str:
-    lines = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, (result.stdout, result.stderr)
+    assert "error:" not in result.stdout, result.stdout
     return lines[0]
 
 

@@ -229,7 +229,8 @@ def test_a_second_writer_of_a_run_directory_is_refused_naming_the_holder(tiny_mo
         for args in (["run", "--resume", str(out)], ["report", str(out)]):
             result = CliRunner().invoke(app, args)
             assert result.exit_code == 2, result.output
-            lines = [line for line in result.stdout.splitlines() if line.strip()]
+            lines = [line for line in result.stderr.splitlines() if line.strip()]
+            assert result.stdout.strip() == "", result.output
             assert lines == [f"error: {out}: in use by another grpogate process (pid "
                              f"{holder.pid}); wait for it to finish or stop it first"], lines
         after = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()
@@ -276,8 +277,9 @@ def test_a_malformed_optimizer_state_on_resume_is_one_error_line(tiny_model_dir,
     before = {str(p): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     result = CliRunner().invoke(app, ["run", "--resume", str(out)])
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "optimizer.pt: not this run's optimizer state" in lines[0], lines
+    assert result.stdout.strip() == ""
     assert {str(p): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
@@ -294,6 +296,6 @@ def test_a_full_disk_during_a_run_is_one_error_line_with_the_os_reason(tiny_mode
     monkeypatch.setattr(checkpoints, "save_tensors", no_space)
     result = CliRunner().invoke(app, cli_args(tiny_model_dir, tmp_path / "run"))
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.stdout.splitlines() if line.startswith("error")]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert lines == [f"error: {tmp_path / 'run' / 'x'}: No space left on device; free space or "
                      "choose another --out (a started run continues with --resume)"]

@@ -136,9 +136,10 @@ def test_a_forged_checkpoint_state_is_one_error_line_and_changes_nothing(interru
     edit_state(run_dir, change)
     before = tree(run_dir)
     result = resume_capped(run_dir)
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2, result.stdout + result.stderr
-    assert len(lines) == 1 and lines[0].startswith("error:") and wanted in lines[0], result.stdout
+    assert len(lines) == 1 and wanted in lines[0], result.stderr
+    assert result.stdout.strip() == "", result.stdout
     assert "Traceback" not in result.stderr
     assert tree(run_dir) == before  # nothing truncated, appended or half-written
 

@@ -43,7 +43,7 @@ def refused(run: Path, *args: str) -> str:
     result = grpogate(*args, run, timeout=60)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
-    assert [line for line in result.stdout.splitlines() if line.strip()] == [error_line(result)]
+    assert result.stdout.strip() == "" and error_line(result)
     assert listing(run) == before
     return error_line(result)
 

@@ -48,8 +48,8 @@ def assert_refused(result, marker: Path, *expected: str) -> None:
     assert not marker.exists(), output
     assert result.returncode == 2, output
     assert "Traceback" not in output and "Do you wish to run the custom code" not in output
-    lines = result.stdout.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and result.stdout.strip() == "", output
     for text in expected:
         assert text in lines[0], lines[0]
 

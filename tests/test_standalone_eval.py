@@ -107,8 +107,9 @@ def test_compare_never_overwrites_its_out(tmp_path, target):
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     result = CliRunner().invoke(app, ["compare", str(a), str(b), "--out", str(tmp_path / target)])
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "already exists" in lines[0]
+    assert result.stdout.strip() == ""
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 

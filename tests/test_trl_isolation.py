@@ -201,9 +201,10 @@ def test_a_forged_training_file_ends_in_an_isolation_failure(foreign, tiny_model
     forged = rows + [forged_row(kind, planted.question, tokenizer, system)]
     data = write_rows(tmp_path / "train.jsonl", forged)
     result = gate_capped(directory, data, tmp_path / "gated", str(tiny_model_dir))
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2, result.stdout + result.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: isolation"), result.stdout
+    assert len(lines) == 1 and lines[0].startswith("error: isolation"), result.stderr
+    assert result.stdout.strip() == "", result.stdout
     assert f"train.jsonl:{len(forged)} holds eval prompt {planted.prompt_id}" in lines[0]
     assert not (tmp_path / "gated").exists()
 

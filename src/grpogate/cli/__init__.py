@@ -21,13 +21,15 @@ from grpogate import api
 from grpogate.cli import eval_commands, gate_commands, options
 from grpogate.cli.results import print_audit_lines, print_run_result
 from grpogate.evidence.retest_checks import test_lines
-from grpogate.cli.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, RichReporter, console, fail,
-                                   gates_table, print_json, progress_bars, quiet_libraries)
+from grpogate.cli.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, OneLineErrors,
+                                   RichReporter, console, fail, gates_table, messages,
+                                   print_error, print_json, progress_bars, quiet_libraries)
 from grpogate.config import load_config
 from grpogate.errors import InputError, command, plain
 from grpogate.evidence.audit_bounds import mismatches_found
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True,
+                  rich_markup_mode="rich",
                   help="Auditable GRPO runs that end in an accept / tune / reject decision.")
 config_app = typer.Typer(no_args_is_help=True, help="Show the configuration and what each key means.")
 app.add_typer(config_app, name="config")
@@ -94,12 +96,16 @@ def run(
     report_to: Optional[str] = options.REPORT_TO,
     tensorboard: Optional[str] = options.TENSORBOARD,
     dry_run: bool = options.DRY_RUN,
+    as_json: bool = options.DRY_RUN_JSON,
     resume: Optional[str] = options.RESUME,
     exit_code_from_decision: bool = options.EXIT_CODE_FROM_DECISION,
     nproc: Optional[int] = options.NPROC,
     max_restarts: int = options.MAX_RESTARTS,
 ) -> None:
-    """Run admission, rollout, GRPO update, independent re-test and delivery."""
+    """Run admission, rollout, GRPO update, independent re-test and delivery.
+
+    The defaults shown are the default profile's; --profile and --config change them
+    (`grpogate config show --profile NAME` lists every value)."""
     if nproc is not None:
         raise typer.Exit(_launch_torchrun(nproc, max_restarts, resume or out, label, profile,
                                           config_file, overrides))
@@ -109,7 +115,7 @@ def run(
     if not world.is_main:
         console.quiet = True  # one voice: rank 0 prints, the others only compute
     try:
-        _run(profile, config_file, gates_file, overrides, out, label, dry_run, resume,
+        _run(profile, config_file, gates_file, overrides, out, label, dry_run, as_json, resume,
              exit_code_from_decision, world,
              dict(model=model, adapter=adapter, baseline_manifest=baseline_manifest, seed=seed,
                   device=device, dtype=dtype, tensorboard=tensorboard, steps=steps,
@@ -145,7 +151,7 @@ def torchrun_arguments(argv: list[str]) -> list[str]:
     return kept
 
 
-def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resume,
+def _run(profile, config_file, gates_file, overrides, out, label, dry_run, as_json, resume,
          exit_code_from_decision, world, named: dict) -> None:
     from grpogate import admission, pipeline
     from grpogate.interrupts import RunInterrupted, exit_code
@@ -155,6 +161,9 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
     config = None
     task = named.pop("task")
     try:
+        if as_json and not dry_run:
+            raise InputError("--json goes with --dry-run (a run's evidence is RUN_DIR/"
+                             "evidence.json; `grpogate decide RUN_DIR --json` prints its audit)")
         named["task"] = parse_tasks_spec(task) if task else None
         if resume is not None:
             config = _resume_config(resume, out, label, dry_run, profile, config_file, gates_file,
@@ -164,8 +173,9 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
                                  gates_file=gates_file, out=out, label=label, **named)
         if dry_run:
             report = admission.dry_run(config)
-            print_json(report)
-            console.print("[green]dry run passed:[/] configuration, inputs and environment are usable")
+            print_json(report)  # stdout holds the report alone: `--json | jq` reads it
+            messages.print("[green]dry run passed:[/] configuration, inputs and environment are "
+                           "usable")
             return
         with progress_bars() if world.is_main else contextlib.nullcontext() as progress:
             reporter = RichReporter(progress) if world.is_main else NullReporter()
@@ -179,7 +189,7 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, resum
     except InputError as error:
         fail(error)
     except pipeline.UnstartedRunFailed as error:
-        console.print(f"[bold red]error:[/] {plain(error)}", soft_wrap=True)
+        print_error(error)
         raise typer.Exit(1)
     except OSError as error:
         if error.errno not in OUTPUT_ERRNOS:

@@ -41,10 +41,12 @@ def gate_command(print_result: Callable[[dict, bool], None]):
         num_generations: Optional[int] = typer.Option(
             None, "--num-generations", metavar="G", min=1,
             help="TRL's num_generations (G), unless --trl-args gives it."),
-        train_data: str = typer.Option("", "--train-data", metavar="FILE", help="The training "
-                                       "dataset as TRL took it (JSONL rows with a \"prompt\" "
-                                       "string or chat messages): no eval prompt may appear "
-                                       "inside a row's prompt."),
+        train_data: str = typer.Option(
+            "", "--train-data", metavar="FILE", help="The training dataset as TRL took it, a "
+            "local file or folder: .jsonl (read line by line), or parquet, .json, .csv, .arrow "
+            "or a save_to_disk folder (read by Hugging Face datasets, every split). Each row's "
+            "\"prompt\" (a string or chat messages) is what TRL trained on: no eval prompt may "
+            "appear inside it."),
         train_from_config: bool = typer.Option(
             False, "--train-from-config", help="The run trained on the config's own train split."),
         profile: str = typer.Option("default", metavar="NAME", help="Packaged profile for the "

@@ -5,10 +5,11 @@ so that a failed worker group comes back as data (which rank, which exit code or
 rather than as every rank's traceback and the agent's report on the terminal (about 270 lines
 for one killed worker of two). The workers' stdout (rank 0's progress, tables and `error:`
 lines) is the terminal's as before; their stderr and the agent's own log go to a log file.
-On a worker that died, one `error:` line names the rank, how it ended, the log file (moved
-into the run directory when the run got that far) and the command that continues the run.
-A refusal (exit 2, rank 0 printed its `error:` line) and a stop by signal (130 / 143, rank 0
-printed how to continue) end with that exit code and nothing more.
+On a worker that died, one `error:` line on stderr names the rank, how it ended, the log file
+(moved into the run directory when the run got that far) and the command that continues the
+run. A refusal (exit 2) ends with rank 0's own `error:` line, read back from its stderr log
+and printed on stderr; a stop by signal (130 / 143, rank 0 printed how to continue) ends with
+that exit code and nothing more.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from grpogate.errors import command, plain
 from grpogate.files import file_mode, write_in_run_dir
-from grpogate.cli.terminal import console
+from grpogate.cli.terminal import messages
 
 FAILURE_LOG = "torchrun-failure.log"
 QUIET_EXITS = (2, 130, 143)  # rank 0 has said why already
@@ -60,11 +61,13 @@ def launch(nproc: int, max_restarts: int, worker_args: list[str], run_dir: str |
         rank, failure = _died_first(error.failures)
         codes = {f.exitcode for f in error.failures.values()}
         if codes <= set(QUIET_EXITS):
+            if 2 in codes:
+                _repeat_refusal(logs)
             return max(codes)
         where = _keep_log(logs, Path(run_dir))
         how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
                else f"exit code {failure.exitcode}")
-        console.print(f"[bold red]error:[/] rank {rank} died ({how}); the worker group "
+        messages.print(f"[bold red]error:[/] rank {rank} died ({how}); the worker group "
                       f"stopped. Tracebacks: {plain(where)}. "
                       f"{_next_step(run_dir, worker_args, nproc)}", soft_wrap=True)
         return 1
@@ -72,6 +75,18 @@ def launch(nproc: int, max_restarts: int, worker_args: list[str], run_dir: str |
         elastic.removeHandler(agent_log)
         agent_log.close()
         elastic.propagate = True
+
+
+def _repeat_refusal(logs: Path) -> None:
+    """Rank 0's `error:` line (a refusal: bad input), from its stderr log, once on stderr."""
+    for log in sorted(logs.rglob("stderr.log")):
+        if log.parent.name != "0":  # .../attempt_N/<local rank>/stderr.log
+            continue
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+        refusal = [line for line in lines if line.startswith("error: ")]
+        if refusal:
+            messages.print(plain(refusal[-1]), soft_wrap=True, highlight=False)
+            return
 
 
 def expected_run_dir(label, profile: str, config_file: str, overrides) -> str | None:

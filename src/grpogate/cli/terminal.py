@@ -19,11 +19,15 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from typer.core import TyperGroup
 
 from grpogate.errors import plain
 
 # emoji=False: ":warning:" in a recorded string prints as typed, like every other text.
+# `console` is the output (tables, results, JSON: stdout); `messages` is every `error:` line and
+# note (stderr), so that `grpogate ... --json | jq` reads the output alone.
 console = Console(highlight=False, emoji=False)
+messages = Console(stderr=True, highlight=False, emoji=False)
 DECISION_EXIT_CODES = {"accept": 0, "tune": 3, "reject": 4}
 DECISION_STYLE = {"accept": "bold green", "tune": "bold yellow", "reject": "bold red"}
 BYTE_CHECKS = ("memory",)  # gate checks whose value and threshold are byte counts
@@ -54,10 +58,11 @@ def progress_bars(transient: bool = False) -> Progress:
 
 
 class _ConsoleHandler(logging.Handler):
-    """grpogate's own log lines (the GGUF dequantization notice) printed on the console."""
+    """grpogate's own log lines (the GGUF dequantization notice, a TRL name's note) printed on
+    stderr with the other messages."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        console.print(plain(record.getMessage()), style="dim", soft_wrap=True)
+        messages.print(plain(record.getMessage()), style="dim", soft_wrap=True)
 
 
 def quiet_libraries() -> None:
@@ -81,10 +86,52 @@ def quiet_libraries() -> None:
     logger.setLevel(logging.INFO)
 
 
+def print_error(message) -> None:
+    """One `error:` line on stderr. plain: a message quoting "[gates]", a path with brackets or
+    a file's bytes is text; its line breaks print as escapes, so it stays one line."""
+    messages.print(f"[bold red]error:[/] {plain(message)}", soft_wrap=True)
+
+
 def fail(error: Exception) -> None:
-    # plain: a message quoting "[gates]", a path with brackets or a file's bytes is text.
-    console.print(f"[bold red]error:[/] {plain(error)}", soft_wrap=True)
+    print_error(error)
     raise typer.Exit(2)
+
+
+# click's exception classes, as the installed typer raises them (typer 0.29 carries its own
+# copy of click; earlier ones use click itself).
+_CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+class OneLineErrors(TyperGroup):
+    """The `grpogate` command group, whose usage errors (an unknown option, a value that is not
+    a number, a missing argument) are one `error:` line on stderr and exit 2, like every other
+    refusal, instead of click's usage text or typer's boxed panel. Both `grpogate` and typer's
+    CliRunner enter through `main`."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
+             **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except _CLICK_ERROR as error:
+            if type(error).__name__ == "NoArgsIsHelpError":  # a bare `grpogate`: typer has
+                raise SystemExit(error.exit_code) from None  # printed the help already
+            print_error(usage_error_words(error))
+            raise SystemExit(2) from None
+        raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def usage_error_words(error: Exception) -> str:
+    """click's message on one line, with the command it refers to and where its options are
+    listed: "run: No such option: --stepz ... (see grpogate run --help)"."""
+    message = " ".join(error.format_message().split())
+    names, context = [], getattr(error, "ctx", None)
+    while context is not None and context.parent is not None:  # the root is `grpogate`
+        names.insert(0, context.info_name)
+        context = context.parent
+    where = f"{' '.join(names)}: " if names else ""
+    return f"{where}{message} (see {' '.join(['grpogate', *names, '--help'])})"
 
 
 def _finite(value):

@@ -9,6 +9,7 @@ to fix it.
                  defaults, and the values each knob takes
   validation.py  validate(): every invariant, with a how-to-fix message
   loading.py     load_config / resume_config: profiles, TOML and gates files, --set
+  trl_names.py   TRL's GRPOConfig names: aliases of grpogate's keys, or the key to use
   keys.py        one line of meaning per key, for `grpogate config show` and the help
 """
 

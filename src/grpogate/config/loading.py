@@ -12,8 +12,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from grpogate.config.schema import RENAMED_KEYS, USER_REWARD_PATH, RunConfig, flatten
-from grpogate.config.validation import validate
+from grpogate.config.schema import (MAX_STEPS, RENAMED_KEYS, USER_REWARD_PATH, RunConfig,
+                                    flatten)
+from grpogate.config.trl_names import grpogate_key, grpogate_table, unknown_key_words
+from grpogate.config.validation import type_words, validate
 from grpogate.errors import InputError
 from grpogate.files import read_json
 from grpogate.gates import GATE_NAMES, OPTIONAL_GATE_NAMES, SWITCH_GATE_NAMES, validate_gates
@@ -97,26 +99,32 @@ def _check_gates(config: RunConfig, where: str) -> None:
         raise InputError(f"{where}: {error}") from None
 
 
-def _apply(target: Any, table: dict, where: str) -> None:
-    """Copy a (nested) table onto a dataclass, rejecting unknown keys and wrong types."""
+def _apply(target: Any, table: dict, where: str, prefix: str = "") -> None:
+    """Copy a (nested) table onto a dataclass, rejecting unknown keys and wrong types. `where`
+    is the source (a file, `--set KEY=VALUE`), `prefix` the dotted path of `target` in the
+    configuration: an error names both, "--set learning_rate=abc: learning_rate must be a
+    number (float), got 'abc'"."""
     if not isinstance(table, dict):  # task="chain_sum" where a table of task keys belongs
         raise InputError(f"{where}: expected a table of keys (got {table!r})")
     known = {f.name: f for f in fields(target)}
     for key, value in table.items():
+        name = f"{prefix}{key}"
         if key not in known and key in RENAMED_KEYS and "epsilon" in known:
             raise InputError(f"{where}: {key!r} was renamed to {RENAMED_KEYS[key]}, TRL's name")
         if key not in known:
-            raise InputError(f"{where}: unknown key {key!r}; known: {', '.join(sorted(known))}")
+            raise InputError(f"{where}: {unknown_key_words(name, sorted(known), prefix)}")
         current = getattr(target, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise InputError(f"{where}: {key!r} must be a table")
-            _apply(current, value, f"{where}.{key}")
+                raise InputError(f"{where}: {name} must be a table of keys (got {value!r})")
+            _apply(current, value, where, f"{name}.")
             continue
-        setattr(target, key, _coerce(current, value, f"{where}.{key}"))
+        setattr(target, key, _coerce(current, value, where, name))
 
 
-def _coerce(current: Any, value: Any, where: str) -> Any:
+def _coerce(current: Any, value: Any, where: str, name: str) -> Any:
+    """`value` as the type of `current` (a TOML value or a --set string); InputError naming
+    the source `where` and the key `name` otherwise."""
     if isinstance(current, bool):
         if isinstance(value, bool):
             return value
@@ -126,7 +134,7 @@ def _coerce(current: Any, value: Any, where: str) -> Any:
         if isinstance(value, int):
             return value
         if isinstance(value, float) and not math.isfinite(value):
-            raise InputError(f"{where}: must be a finite number, got {value!r}")
+            raise InputError(f"{where}: {name} must be a finite number, got {value!r}")
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, str):
@@ -151,7 +159,8 @@ def _coerce(current: Any, value: Any, where: str) -> Any:
         if isinstance(value, str):
             return [n.strip() for n in value.split(",") if n.strip() and n.strip() != "none"]
         return [dict(item) if isinstance(item, dict) else item for item in value]
-    raise InputError(f"{where}: expected {type(current).__name__}, got {value!r}")
+    raise InputError(f"{where}: {name} must be {type_words(type(current).__name__)}, "
+                     f"got {value!r}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -191,19 +200,21 @@ def _apply_sources(config: RunConfig, config_file: str, gates_file: str, overrid
     named = dict(named)
     steps, task_flag = named.pop("steps", None), named.pop("task", None)
     if config_file:
-        table = dict(_read_toml(config_file))
+        table = grpogate_table(_read_toml(config_file), config_file)
         steps = table.pop("steps", steps)
         gives_params = isinstance(table.get("task"), dict) and "params" in table["task"]
         _switching_task(config, lambda: _apply(config, table, config_file), gives_params)
         if "gates" in table:
             _check_gates(config, config_file)
     if gates_file:
-        _apply(config.gates, _read_gates_file(gates_file), f"{gates_file} [gates]")
+        _apply(config.gates, _read_gates_file(gates_file), gates_file, "gates.")
         _check_gates(config, gates_file)
     if task_flag is not None:
-        _switching_task(config, lambda: _apply(config.task, task_flag, "task (--task)"), False)
+        _switching_task(config, lambda: _apply(config.task, task_flag, "task (--task)", "task."),
+                        False)
     for text in overrides:
         keys, value = parse_override(text)
+        keys[0] = grpogate_key(keys[0], f"--set {text}") if len(keys) == 1 else keys[0]
         if keys == ["steps"]:
             steps = value
             continue
@@ -222,9 +233,12 @@ def _apply_sources(config: RunConfig, config_file: str, gates_file: str, overrid
             _check_gates(config, f"--set {text}")
     _apply(config, {k: v for k, v in named.items() if v is not None}, "command line")
     if steps is not None:
-        count = _coerce(0, steps, "steps")
+        count = _coerce(0, steps, "config", "steps")
         if count < 1:
             raise InputError(f"steps: must be >= 1 (got {count})")
+        if count > MAX_STEPS:  # named before train_prompts = steps x prompts_per_step is
+            raise InputError(f"config: steps must be at most {MAX_STEPS:,} (MAX_STEPS; got "
+                             f"{count:,})")
         config.train_prompts = count * config.prompts_per_step
 
 

@@ -246,6 +246,21 @@ MAX_REWARD_WEIGHT = 1e6
 MAX_REWARD_VALUE = 1e6
 
 
+# The most a run may ask for, checked when the configuration is loaded, before a problem is
+# generated or a file read (a mistyped `--steps 1000000000` is refused in a second instead of
+# generating problems until memory runs out). Far above any real run: a GRPO group is 2 to 64
+# samples, the largest public math RL sets hold about 10**6 problems, a re-test of 10**5 prompts
+# is hours on a GPU, and 10**5 steps are more than a day at one a second. Each is at most the
+# audit's own cap (evidence/rescore.py), so every run grpogate starts, decide can re-check.
+MAX_STEPS = 100_000
+MAX_TRAIN_PROMPTS = 1_000_000  # train_prompts (steps x prompts_per_step)
+MAX_EVAL_PROMPTS = 100_000  # eval_prompts, guard.prompts, and prompts_per_step
+MAX_GROUP_SIZE = 1024  # group_size, eval_group_size, guard.group_size
+MAX_TOKENS = 131_072  # max_new_tokens, max_prompt_tokens: the longest context of common models
+MAX_BATCH_ROWS = 65_536  # generation_batch_size, micro_batch_size
+MAX_GENERATION_ROUNDS = 1_000  # max_generation_rounds
+MAX_ITERATIONS = 1_000  # num_iterations: optimizer passes over each rollout
+
 REPORTERS = ("tensorboard", "mlflow", "wandb", "trackio")  # report_to values, as TRL names them
 # Knobs renamed to TRL's names: a config using the old one is told the new one.
 RENAMED_KEYS = {"clip_epsilon": "epsilon", "kl_coef": "beta",

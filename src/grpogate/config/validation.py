@@ -10,6 +10,9 @@ from typing import Any
 from grpogate.config.schema import (BUILT_IN_REWARDS, DTYPES, IMPORTANCE_SAMPLING_LEVELS,
                                     MAX_RETEST_LOOKS,
                                     KL_ESTIMATORS, LOSS_TYPES, LR_SCHEDULER_TYPES,
+                                    MAX_BATCH_ROWS, MAX_EVAL_PROMPTS, MAX_GENERATION_ROUNDS,
+                                    MAX_GROUP_SIZE, MAX_ITERATIONS, MAX_STEPS, MAX_TOKENS,
+                                    MAX_TRAIN_PROMPTS,
                                     MAX_REWARD_VALUE, MAX_REWARD_WEIGHT,
                                     MULTI_OBJECTIVE_AGGREGATIONS, REPORTERS, ROLLOUT_CORRECTIONS,
                                     SCALE_REWARDS, TASK_SOURCES, DATASET_VERIFIERS,
@@ -41,6 +44,11 @@ _TYPE_RULES = {
 }
 
 
+def type_words(type_name: str) -> str:
+    """What a field of this annotated type takes, in words: "int" -> "a whole number (int)"."""
+    return _TYPE_RULES.get(type_name, (type_name, None))[0]
+
+
 def check_types(node, prefix: str = "") -> None:
     """InputError naming the first field of `node` (a RunConfig or one of its tables) whose
     value is not of its schema's type; a table's fields are checked in turn."""
@@ -66,6 +74,7 @@ def validate(config: RunConfig) -> RunConfig:
             raise InputError(f"config: {message}")
 
     check_types(config)
+    check_bounds(config)
     for name, value in _leaves(config):
         need(not isinstance(value, float) or math.isfinite(value),
              f"{name} must be a finite number (got {value!r})")
@@ -122,6 +131,38 @@ def validate(config: RunConfig) -> RunConfig:
          "give either baseline_manifest or adapter, not both (the manifest names its adapter)")
     validate_gates(dataclasses.asdict(config.gates))
     return config
+
+
+def _bounded_counts(config: RunConfig) -> list[tuple[str, int, str, int]]:
+    """(key, value, cap's name, cap) of every count that sizes the work of a run."""
+    return [
+        # steps = train_prompts // prompts_per_step; a prompts_per_step < 1 is refused below
+        ("steps", config.steps if config.prompts_per_step >= 1 else 0, "MAX_STEPS", MAX_STEPS),
+        ("train_prompts", config.train_prompts, "MAX_TRAIN_PROMPTS", MAX_TRAIN_PROMPTS),
+        ("eval_prompts", config.eval_prompts, "MAX_EVAL_PROMPTS", MAX_EVAL_PROMPTS),
+        ("guard.prompts", config.guard.prompts, "MAX_EVAL_PROMPTS", MAX_EVAL_PROMPTS),
+        ("prompts_per_step", config.prompts_per_step, "MAX_EVAL_PROMPTS", MAX_EVAL_PROMPTS),
+        ("group_size", config.group_size, "MAX_GROUP_SIZE", MAX_GROUP_SIZE),
+        ("eval_group_size", config.eval_group_size, "MAX_GROUP_SIZE", MAX_GROUP_SIZE),
+        ("guard.group_size", config.guard.group_size, "MAX_GROUP_SIZE", MAX_GROUP_SIZE),
+        ("max_new_tokens", config.max_new_tokens, "MAX_TOKENS", MAX_TOKENS),
+        ("max_prompt_tokens", config.max_prompt_tokens, "MAX_TOKENS", MAX_TOKENS),
+        ("generation_batch_size", config.generation_batch_size, "MAX_BATCH_ROWS", MAX_BATCH_ROWS),
+        ("micro_batch_size", config.micro_batch_size, "MAX_BATCH_ROWS", MAX_BATCH_ROWS),
+        ("max_generation_rounds", config.max_generation_rounds, "MAX_GENERATION_ROUNDS",
+         MAX_GENERATION_ROUNDS),
+        ("num_iterations", config.num_iterations, "MAX_ITERATIONS", MAX_ITERATIONS),
+    ]
+
+
+def check_bounds(config: RunConfig) -> None:
+    """InputError naming the first count above its maximum (config/schema.py): checked before
+    anything else reads a count, so no problem is generated and no file read for a run that
+    asks for more than any run may."""
+    for key, value, cap_name, cap in _bounded_counts(config):
+        if value > cap:
+            raise InputError(f"config: {key} must be at most {cap:,} ({cap_name}; got "
+                             f"{value:,})")
 
 
 def _validate_lora(config: RunConfig, need) -> None:

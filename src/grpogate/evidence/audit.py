@@ -339,10 +339,12 @@ def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
     else the decision `decide_run` recomputes from the evidence. InputError when there is no
     evidence.json at all, when a path the run names leaves the run directory or is not a regular
     file, when its config's counts are implausible (rescore.run_limits) or a file holds more
-    records than they allow (refused as it is read, audit_files.numbered_jsonl); an unreadable
-    evidence.json is a mismatch like any other tampering (the first MAX_LISTED_MISMATCHES are
-    listed). User reward code runs only for `trusted_rewards`; `max_rescore` caps the records
-    re-scored; `announce` hears the cost of a long re-scoring before it starts (rescore.py)."""
+    records than they allow (refused as it is read, audit_files.numbered_jsonl), and when
+    evidence.json is not a JSON object with a config (nothing to re-decide from). Any other
+    file that does not read is a mismatch like any other tampering (the first
+    MAX_LISTED_MISMATCHES are listed). User reward code runs only for `trusted_rewards`;
+    `max_rescore` caps the records re-scored; `announce` hears the cost of a long re-scoring
+    before it starts (rescore.py)."""
     run_dir = Path(run_dir)
     if not confined(run_dir, "evidence.json"):
         raise InputError(f"{run_dir}: not a run directory (no evidence.json, or not a regular "
@@ -350,10 +352,11 @@ def audit_run(run_dir: str | Path, *, trusted_rewards: list[str] = (),
     audit = BoundedAudit()
     evidence = read_object(run_dir / "evidence.json", audit)
     if evidence is None or not isinstance(evidence.get("config"), dict):
-        if evidence is not None:
-            audit.mismatch("evidence.json (no config: not a grpogate evidence file)")
-        return {"run_dir": str(run_dir), "recorded_decision": None, "decision": "reject",
-                "agrees": False, "mismatches": audit.mismatches, "checks": []}
+        # Nothing to re-decide from: not a readable run directory (exit 2), not a decision.
+        reason = ("no config: not a grpogate evidence file" if evidence is not None else
+                  audit.mismatches[0]["field"].removeprefix("evidence.json (").removesuffix(")"))
+        raise InputError(f"{run_dir}/evidence.json: unreadable ({reason}); not a readable run "
+                         "directory")
     check_adapter_dir(run_dir, evidence)
     audit.limit_records(run_dir, run_limits(evidence))  # checked before anything is built
     manifest, *files = read_run(audit, run_dir, guard_expected(evidence))
