@@ -55,6 +55,14 @@ def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
 # --- locating and caching the base model ---------------------------------------------------
 
 
+# A model named by hub id is read from huggingface_hub's own cache, whose snapshot files are links
+# into its blob store, shared with every other tool of the user: it is not put under the owner-
+# only, record-verified rule of grpogate's cache, and the evidence says so.
+HUB_CACHE_RULE = ("not re-hashed by grpogate: huggingface_hub's cache (snapshot links into its "
+                  "blob store, shared with other tools); the identity is the id at the resolved "
+                  "commit")
+
+
 @dataclass(frozen=True)
 class BaseModelSource:
     kind: str  # "gguf" | "hf-dir" | "hf-id"
@@ -74,9 +82,12 @@ class BaseModelSource:
         return self.location
 
     def identity(self) -> dict:
-        return {"spec": self.spec, "kind": self.kind, "location": self.location,
-                "public_id": self.public_id, "sha256": self.sha256, "revision": self.revision,
-                "loaded_sha256": self.loaded_sha256}
+        identity = {"spec": self.spec, "kind": self.kind, "location": self.location,
+                    "public_id": self.public_id, "sha256": self.sha256, "revision": self.revision,
+                    "loaded_sha256": self.loaded_sha256}
+        if self.kind == "hf-id":
+            identity["cache_rule"] = HUB_CACHE_RULE
+        return identity
 
 
 def default_cache_dir(config: RunConfig) -> Path:
