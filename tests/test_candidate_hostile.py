@@ -135,12 +135,20 @@ def test_a_re_test_with_overflowing_logits_is_rejected_its_values_null(made, tin
     assert_decide_agrees(run_dir)
 
 
-# The child's exit code, its stdout passed through, and its peak resident set (KiB) as the
-# last word of stderr.
+# The child's exit code, its stdout and stderr passed through, and its peak resident set (KiB)
+# as the last line of stderr (`peak_and_rest` splits it off).
 PEAK_AND_OUTPUT = ("import resource, subprocess, sys; child = subprocess.run([sys.executable] + "
-                   "sys.argv[1:], stderr=subprocess.DEVNULL); "
+                   "sys.argv[1:]); "
                    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
                    "file=sys.stderr); sys.exit(child.returncode)")
+
+
+def peak_and_rest(result) -> int:
+    """The child's peak (KiB) from PEAK_AND_OUTPUT's last stderr line; `result.stderr` keeps the
+    child's own lines."""
+    *rest, peak = result.stderr.rstrip("\n").split("\n")
+    result.stderr = "\n".join(rest)
+    return int(peak)
 
 
 def sparse_shard(path: Path, tensor: str, elements: int) -> int:
@@ -179,8 +187,7 @@ def test_a_sharded_checkpoint_over_4_gib_is_copied_hashed_and_checked_in_bounded
     result = capped("-c", PEAK_AND_OUTPUT, "-m", "grpogate", *gate_args(big, tiny_model_dir, out),
                     cap=12 * GiB, timeout=300)
     seconds = time.perf_counter() - started
-    kib = int(result.stderr.split()[-1])
-    result.stderr = ""
+    kib = peak_and_rest(result)
     assert one_error(result) == (f"error: {big}/model-00001-of-00003.safetensors: tensor "
                                  "'model.embed_tokens.weight' is float32 [469762048], the "
                                  "baseline's is float32 [49152, 64]")
@@ -362,8 +369,7 @@ def test_a_2_gib_adapter_is_refused_by_its_header_before_peft_reads_it(made, tin
     out = tmp_path / "out"
     result = capped("-c", PEAK_AND_OUTPUT, "-m", "grpogate",
                     *gate_args(adapter, tiny_model_dir, out), cap=12 * GiB, timeout=120)
-    kib = int(result.stderr.split()[-1])
-    result.stderr = ""
+    kib = peak_and_rest(result)
     # The tiny model: embedding 49152 x 64, per layer 4096 + 2 x 2048 + 4096 + 3 x 8192 + 2 x 64
     # values, 2 layers, the final norm 64: 3,219,776 float32 values = 12,879,104 bytes.
     assert one_error(result) == (f"error: {adapter}/adapter_model.safetensors: {size} bytes, "
