@@ -253,8 +253,7 @@ def load_pool(config, name: str, adapter: str, design: dict, work_dir: Path) -> 
 
 def resolved_sizes(config, sizes: dict) -> dict:
     """The pool sizes with the default populations filled in (None: task.eval_pool eval problems,
-    guard.prompts guard problems); a guard pool smaller than the guard's population is an
-    InputError (every round covers all guard.prompts problems)."""
+    guard.prompts guard problems); a pool too small for the design is an InputError."""
     from grpogate.errors import InputError
 
     sizes = {**sizes, "eval_pool": sizes["eval_pool"] or config.task.eval_pool,
@@ -262,6 +261,13 @@ def resolved_sizes(config, sizes: dict) -> dict:
     if sizes["guard_pool"] < config.guard.prompts:
         raise InputError(f"--guard-pool {sizes['guard_pool']}: every guard round covers all "
                          f"guard.prompts = {config.guard.prompts} problems; use at least that")
+    # The "self" null takes two disjoint groups of every prompt's and guard problem's samples.
+    need = {"eval_pool": config.eval_prompts, "eval_samples": 2 * config.eval_group_size,
+            "guard_samples": 2 * config.guard.group_size}
+    for key, least in need.items():
+        if sizes[key] < least:
+            raise InputError(f"--{key.replace('_', '-')} {sizes[key]}: the design needs at "
+                             f"least {least}")
     return sizes
 
 
@@ -382,8 +388,9 @@ def main(argv: list[str] | None = None) -> None:
         result = study(args.work_dir, args.candidate, sizes, args.seed, args.quick,
                        args.exclude_run, args.baseline, args.pools_only,
                        tuple(mixtures))
-    except InputError as error:
-        raise SystemExit(f"error: {visible(error)}") from None
+    except InputError as error:  # bad input: one error line, exit 2, no results written
+        print(f"error: {visible(error)}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.pools_only:
         print(json.dumps(result["generation"]), flush=True)
         return

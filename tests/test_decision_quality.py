@@ -452,3 +452,15 @@ def test_mixture_items_are_parsed_or_refused_with_the_reason():
                          ("0:1", "expected SHARE")):
         with pytest.raises(ValueError, match=reason):
             decision_mixtures.parse(item, 2)
+
+
+def test_a_pool_too_small_for_the_design_is_exit_2_before_any_generation(tmp_path, capsys):
+    import decision_quality
+
+    work = tmp_path / "small"
+    with pytest.raises(SystemExit) as exit_info:  # --quick's design takes up to 6 eval prompts
+        decision_quality.main(["--work-dir", str(work), "--quick", "--eval-pool", "4",
+                               "--baseline", "unused-model-dir"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: --eval-pool 4: the design needs at least 6\n"
+    assert not (work / "pools").exists() and not (work / "decision_quality.json").exists()
