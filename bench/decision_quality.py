@@ -1,8 +1,9 @@
 """How often is the decision wrong? The re-test's gates on resampled re-tests of real completions.
 
     python bench/decision_quality.py --work-dir DIR [--candidate ADAPTER_DIR ...]
-        [--exclude-run RUN_DIR] [--eval-pool 2048] [--eval-samples 8] [--guard-pool 100]
-        [--guard-samples 8] [--draws 2000] [--seed 0] [--pools-only] [--mixtures 0.2,0.4]
+        [--exclude-run RUN_DIR] [--eval-pool 1024] [--eval-samples 8] [--guard-pool 100]
+        [--guard-samples 64] [--draws 2000] [--seed 0] [--pools-only]
+        [--mixtures 0.2,0.4,1:2:null]
     python bench/decision_quality.py --work-dir DIR --quick
     python bench/decision_quality.py --work-dir DIR --real-retests 20 [--perturbed 0.02]
         [--candidate ADAPTER_DIR ...] [--exclude-run RUN_DIR]
@@ -13,30 +14,41 @@ answers a pool of eval prompts and a pool of guard prompts, several samples each
 sampling settings, verifier and re-test seed, so sample k of a prompt has the same seed for
 every policy). Pools are cached in DIR/pools as JSONL, keyed by the policy's identity (base
 model and adapter weights' sha256) and the pool design, and generated once. The re-test
-design (eval_prompts x eval_group_size, guard.prompts x guard.group_size) and the gates are
-the default profile's (`config.load_config`). `decision_resample` draws that design from the
-pools --draws times and judges every draw with the product's evidence assembly and
-`decide_run`. The results go to DIR/decision_quality.json and DIR/decision_quality.md.
+design and the gates are the default profile's (`config.load_config`): the sequential re-test
+of evidence/stopping.py, eval prompts in batches of eval_batch_prompts up to eval_prompts
+(x eval_group_size), guard rounds of guard.group_size samples of each of guard.prompts
+problems up to guard.rounds. The eval pool defaults to the run's own eval population
+(task.eval_pool: the first 1,024 distinct problems of the eval seed, which the run shuffles and
+draws from), the guard pool to the guard's population (its first guard.prompts problems), with
+64 samples each (twice the 16 rounds x 2 a guard can take: no sample repeats within a draw).
+`decision_resample` draws that design from the pools --draws times, each draw stopping where
+the rule stops, and judges every draw with the product's evidence assembly and `decide_run`;
+it records the completions each re-test used beside the fixed design's 128 x 4 + 64 x 4 a
+policy. The results go to DIR/decision_quality.json and DIR/decision_quality.md.
 
 The null candidate is a PEFT LoRA adapter saved with every B = 0 (grpogate's own fresh
 adapter, `inputs.policy.save_adapter`): its own file and hash, the baseline's function.
---mixtures adds graded policies between the baseline and the first --candidate: each sample
-of each prompt is the candidate's with the given probability and the baseline's otherwise
-(one seeded coin per sample), so every completion is real and the true gains fall between.
+--mixtures adds graded policies (bench/decision_mixtures.py): `SHARE` mixes the first
+--candidate into the baseline, each sample the candidate's with that probability (one seeded
+coin per sample, so every completion is real and the true gains fall between); `A:B:SHARE`
+mixes policy B into policy A (0 the baseline, k the k-th --candidate); `A:B:null` is the weak
+null: the share is tuned so the true reward gain on the pool is 0 +- 0.005 (a gaining A and a
+damaging B give skewed per-prompt differences with no mean gain).
 --exclude-run skips a run's training prompts while drawing the eval pool (its candidates'
-true gains are then on prompts they never trained on). The default guard task (products of
-two one-digit numbers) has exactly 100 distinct problems, so --guard-pool 100 is the whole
-population. --quick runs everything on a tiny random Llama with tiny pools, in seconds: it
-proves the machinery and measures nothing about the product.
+true gains are then on prompts they never trained on). --quick runs everything on a tiny
+random Llama with tiny pools, in seconds: it proves the machinery and measures nothing about
+the product (its weak null mixes the perturbed candidate into the baseline).
 
 --real-retests N checks the resampled design against the real thing: N independent re-tests
-of the default's design (its eval prompts x eval_group_size and guard prompts x group size),
-each with its own sampling seed and its own eval and guard problems (seed, task.eval_seed and
-guard.seed all 1000 + k), every policy answering them fresh, judged by the same code as a
-draw. --perturbed SCALE adds a near-null candidate: the null adapter with seeded random B
-of that scale, whose completions part from the baseline's while its true gain (its pool's)
-stays near 0; the null candidate itself is left out there, its completions being the
-baseline's, identical pair for pair, in every re-test.
+of the default's design, each with its own sampling seed and its own eval and guard problems
+(seed, task.eval_seed and guard.seed all 1000 + k), every policy answering the design's
+maximum fresh (the eval set's eval_prompts in the run's seeded order, guard.rounds x
+group_size samples of every guard problem), walked and judged by the same code as a draw: the
+rule reads the samples in order and stops where the run would have stopped
+(bench/decision_real.py). --perturbed SCALE adds a near-null candidate: the null adapter with
+seeded random B of that scale, whose completions part from the baseline's while its true gain
+(its pool's) stays near 0; the null candidate is left out there (its completions are the
+baseline's, pair for pair).
 """
 
 from __future__ import annotations
@@ -51,14 +63,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import decision_mixtures  # noqa: E402
 import decision_resample  # noqa: E402
+from grpogate.errors import InputError  # noqa: E402
 
 POOL_KIND = "grpogate-decision-pool"
-FULL = {"eval_pool": 2048, "eval_samples": 8, "guard_pool": 100, "guard_samples": 8,
+# None: the default's own population (task.eval_pool eval problems, guard.prompts guard ones).
+FULL = {"eval_pool": None, "eval_samples": 8, "guard_pool": None, "guard_samples": 64,
         "draws": 2000}
-QUICK = {"eval_pool": 8, "eval_samples": 4, "guard_pool": 6, "guard_samples": 4, "draws": 30}
-QUICK_OVERRIDES = ["eval_prompts=4", "eval_group_size=2", "guard.prompts=3",
-                   "guard.group_size=2", "max_new_tokens=8", "train_prompts=4",
+QUICK = {"eval_pool": 8, "eval_samples": 4, "guard_pool": 3, "guard_samples": 8, "draws": 30}
+QUICK_MIXTURES = ("0.5", "0:1:null")  # quick's first --candidate: the perturbed adapter
+QUICK_OVERRIDES = ["eval_prompts=6", "eval_batch_prompts=2", "eval_group_size=2",
+                   "task.eval_pool=16", "guard.prompts=3", "guard.group_size=2",
+                   "guard.rounds=3", "max_new_tokens=8", "train_prompts=4",
                    "prompts_per_step=2", "group_size=4", "lora_r=4", "generation_batch_size=16",
                    "device=cpu", "dtype=float32"]
 
@@ -174,8 +191,11 @@ def _set_configs(config, adapter: str, design: dict):
     base = dataclasses.replace(config, adapter=adapter, baseline_manifest="",
                                eval_prompts=design["eval_pool"],
                                eval_group_size=design["eval_samples"])
+    # The guard's problems in generation order (eval_pool 0), as the run's guard set takes its
+    # first guard.prompts.
     guard_task = TaskConfig(source="reasoning-gym", name=config.guard.task,
-                            params=dict(config.guard.params), eval_seed=config.guard.seed)
+                            params=dict(config.guard.params), eval_seed=config.guard.seed,
+                            eval_pool=0)
     guard = dataclasses.replace(base, task=guard_task, eval_prompts=design["guard_pool"],
                                 eval_group_size=design["guard_samples"],
                                 verifier=config.guard.verifier(),
@@ -231,34 +251,54 @@ def load_pool(config, name: str, adapter: str, design: dict, work_dir: Path) -> 
     return pool
 
 
+def resolved_sizes(config, sizes: dict) -> dict:
+    """The pool sizes with the default populations filled in (None: task.eval_pool eval problems,
+    guard.prompts guard problems); a pool too small for the design is an InputError."""
+    from grpogate.errors import InputError
+
+    sizes = {**sizes, "eval_pool": sizes["eval_pool"] or config.task.eval_pool,
+             "guard_pool": sizes["guard_pool"] or config.guard.prompts}
+    if sizes["guard_pool"] < config.guard.prompts:
+        raise InputError(f"--guard-pool {sizes['guard_pool']}: every guard round covers all "
+                         f"guard.prompts = {config.guard.prompts} problems; use at least that")
+    # The "self" null takes two disjoint groups of every prompt's and guard problem's samples.
+    need = {"eval_pool": config.eval_prompts, "eval_samples": 2 * config.eval_group_size,
+            "guard_samples": 2 * config.guard.group_size}
+    for key, least in need.items():
+        if sizes[key] < least:
+            raise InputError(f"--{key.replace('_', '-')} {sizes[key]}: the design needs at "
+                             f"least {least}")
+    return sizes
+
+
 def study(work_dir: Path, candidates: list[str], sizes: dict, seed: int, quick: bool,
           exclude_run: str | None, model: str | None, pools_only: bool = False,
-          mixtures: tuple[float, ...] = ()) -> dict:
+          mixtures: tuple[str, ...] = ()) -> dict:
     """Every policy's pool, then `draws` resampled re-tests of each candidate (none with
-    `pools_only`: the pools and their generation rate alone)."""
+    `pools_only`: the pools and their generation rate alone). --quick's first candidate is the
+    perturbed adapter, and its mixtures QUICK_MIXTURES when none are given."""
     config = study_config(quick, work_dir, model)
+    sizes = resolved_sizes(config, sizes)
     design = pool_design(config, sizes, exclude_run)
     null_dir = null_candidate(config, work_dir / "null-candidate")
-    policies = [("null candidate", str(null_dir))]
+    named = [(f"candidate {path}", path) for path in candidates]
     if quick:
-        policies.append(("perturbed (quick)",
+        named.insert(0, ("perturbed (quick)",
                          str(perturbed_candidate(null_dir, work_dir / "perturbed-candidate"))))
-    policies += [(f"candidate {path}", path) for path in candidates]
+        mixtures = mixtures or QUICK_MIXTURES
     started = time.monotonic()
     baseline = load_pool(config, "baseline", "", design, work_dir)
     pools = [(name, load_pool(config, name, adapter, design, work_dir))
-             for name, adapter in policies]
+             for name, adapter in [("null candidate", str(null_dir)), *named]]
     generation_seconds = time.monotonic() - started
     settings = config.to_dict()
     if pools_only:
         return {"pools_only": True, "pool_design": design,
                 "generation": generation_rates([baseline] + [pool for _, pool in pools])}
-    # Graded policies: the first candidate mixed into the baseline sample by sample.
-    first = pools[-len(candidates)][1] if candidates else None
-    pools += [(f"mixture {share:g} of {candidates[0]}",
-               {"header": {"identity": f"mixture {share:g}"},
-                **decision_resample.mixture(baseline, first, share, seed)})
-              for share in (mixtures if first else ())]
+    try:  # graded policies and weak nulls from the --candidate pools (decision_mixtures)
+        pools += [decision_mixtures.build(item, baseline, pools[1:], seed) for item in mixtures]
+    except ValueError as error:
+        raise InputError(f"--mixtures {error}") from None
     results = [{"policy": decision_resample.SELF, "identity": baseline["header"]["identity"],
                 **decision_resample.study_policy(baseline, baseline, settings, sizes["draws"],
                                                  seed, disjoint=True)}]
@@ -266,52 +306,16 @@ def study(work_dir: Path, candidates: list[str], sizes: dict, seed: int, quick: 
         results.append({"policy": name, "identity": pool["header"]["identity"],
                         **decision_resample.study_policy(baseline, pool, settings,
                                                          sizes["draws"], seed)})
-    return {"quick": quick, "design": {**sizes, "eval_prompts": config.eval_prompts,
-                                       "eval_group_size": config.eval_group_size,
-                                       "guard_prompts": config.guard.prompts,
-                                       "guard_group_size": config.guard.group_size},
+    return {"quick": quick, "design": {
+                **sizes, "eval_prompts": config.eval_prompts,
+                "eval_batch_prompts": config.eval_batch_prompts,
+                "eval_group_size": config.eval_group_size, "guard_prompts": config.guard.prompts,
+                "guard_group_size": config.guard.group_size, "guard_rounds": config.guard.rounds},
             "pool_design": design, "gates": settings["gates"], "results": results,
             "generation": generation_rates([baseline] + [pool for _, pool in pools
                                                         if "seconds" in pool["header"]]),
             "seconds": {"pools": generation_seconds,
                         "resampling": time.monotonic() - started - generation_seconds}}
-
-
-def real_retests(work_dir: Path, candidates: list[tuple[str, str]], count: int,
-                 exclude_run: str | None, model: str | None, quick: bool = False) -> dict:
-    """`count` real re-tests of each (name, adapter) candidate: per re-test, a fresh seed and
-    fresh problems, every policy sampled anew, the whole re-test judged as one draw; the
-    verdicts, each gate's 95 % interval, and P(accept) with its binomial standard error."""
-    from grpogate.config import load_config
-
-    outcomes: dict[str, list[dict]] = {name: [] for name, _ in candidates}
-    started = time.monotonic()
-    for k in range(count):
-        seed = 1000 + k
-        config = load_config("default", model=model, overrides=[
-            *(QUICK_OVERRIDES if quick else []),
-            f"seed={seed}", f"task.eval_seed={seed}", f"guard.seed={seed}"])
-        sizes = {"eval_pool": config.eval_prompts, "eval_samples": config.eval_group_size,
-                 "guard_pool": config.guard.prompts, "guard_samples": config.guard.group_size}
-        design = pool_design(config, sizes, exclude_run)
-        settings = config.to_dict()
-        baseline = load_pool(config, "baseline", "", design, work_dir)
-        for name, adapter in candidates:
-            pool = load_pool(config, name, adapter, design, work_dir)
-            # One "draw" of every prompt and sample: the re-test exactly as it was sampled.
-            evidence = decision_resample.draw_evidence(
-                baseline, pool, settings, decision_resample.WHOLE)
-            verdict = decision_resample.judge(evidence, settings["gates"])
-            outcomes[name].append({
-                "seed": seed, "passed": verdict["passed"],
-                "intervals": {gate: decision_resample.interval(evidence, gate)
-                              for gate in ("reward", "pass_at_group", "guard")}})
-        print(f"real re-test {k + 1}/{count}: " + ", ".join(
-            f"{name} {'accept' if all(o[-1]['passed'].values()) else 'not accepted'}"
-            for name, o in outcomes.items()), flush=True)
-    return {"count": count, "seconds": time.monotonic() - started,
-            "results": {name: decision_resample.summarize_real(runs)
-                        for name, runs in outcomes.items()}}
 
 
 def generation_rates(pools: list[dict]) -> dict:
@@ -320,6 +324,21 @@ def generation_rates(pools: list[dict]) -> dict:
     seconds = sum(sum(p["header"]["seconds"].values()) for p in pools)
     return {"completions": completions, "seconds": seconds,
             "completions_per_second": completions / seconds if seconds else None}
+
+
+def _mixture_items(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The --mixtures items, each checked (decision_mixtures.parse); a bad one is a usage
+    error. Policy numbers: --quick's perturbed candidate first, --perturbed's last."""
+    mixtures = [item for item in args.mixtures.split(",") if item]
+    if mixtures and args.real_retests:
+        parser.error("--mixtures: not with --real-retests")
+    for item in mixtures:
+        try:
+            decision_mixtures.parse(item, len(args.candidate) + args.quick
+                                    + bool(args.perturbed))
+        except ValueError as error:
+            parser.error(f"--mixtures {error}")
+    return mixtures
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -335,19 +354,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="generate (or read) the pools and state their rate; no resampling")
     parser.add_argument("--real-retests", type=int, default=0, metavar="N",
                         help="N real re-tests of each candidate (and --perturbed), fresh seeds")
-    parser.add_argument("--mixtures", default="", metavar="SHARES",
-                        help="comma-separated shares: graded policies mixing the first "
-                             "--candidate into the baseline sample by sample")
+    parser.add_argument("--mixtures", default="", metavar="ITEMS",
+                        help="comma-separated graded policies: SHARE (the first --candidate "
+                             "into the baseline), A:B:SHARE (policy B into policy A; 0 the "
+                             "baseline, k the k-th --candidate) or A:B:null (the weak null: "
+                             "the share whose true reward gain is 0 +- 0.005)")
     parser.add_argument("--perturbed", type=float, default=0.0, metavar="SCALE",
                         help="add the null adapter with random B of this scale as a candidate")
     for key in FULL:
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args(argv)
-    shares = [float(share) for share in args.mixtures.split(",") if share]
-    if any(not 0.0 <= share <= 1.0 for share in shares) or (shares and args.real_retests):
-        parser.error("--mixtures: shares in [0, 1], and not with --real-retests")
+    mixtures = _mixture_items(parser, args)
     sizes = {key: getattr(args, key) or (QUICK if args.quick else FULL)[key] for key in FULL}
-    from grpogate.errors import InputError, visible
+    from grpogate.errors import visible
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.quick and args.real_retests:
@@ -358,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
         args.candidate.append(str(perturbed_candidate(
             null_dir, args.work_dir / f"perturbed-{args.perturbed:g}", args.perturbed)))
     if args.real_retests:
+        from decision_real import real_retests
+
         real = real_retests(args.work_dir, [(f"candidate {c}", c) for c in args.candidate],
                             args.real_retests, args.exclude_run, args.baseline, args.quick)
         (args.work_dir / "real_retests.json").write_text(json.dumps(real, indent=1) + "\n")
@@ -366,9 +387,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = study(args.work_dir, args.candidate, sizes, args.seed, args.quick,
                        args.exclude_run, args.baseline, args.pools_only,
-                       tuple(shares))
-    except InputError as error:
-        raise SystemExit(f"error: {visible(error)}") from None
+                       tuple(mixtures))
+    except InputError as error:  # bad input: one error line, exit 2, no results written
+        print(f"error: {visible(error)}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.pools_only:
         print(json.dumps(result["generation"]), flush=True)
         return

@@ -1,6 +1,8 @@
-"""The decision study (bench/decision_quality.py, bench/decision_resample.py): the resampler's
-draws against an enumerable design, the gain test's false-pass rate and the interval's
-coverage on a synthetic Bernoulli population, the null candidate, and --quick end to end.
+"""The decision study (bench/decision_quality.py, bench/decision_resample.py,
+bench/decision_mixtures.py): the resampler's draws against an enumerable design, the guard's
+round schedule, the sequential draw stopping where the rule stops, the gain test's false-pass
+rate on a skewed weak null, the completions a large gain uses, the tuned weak-null mixture,
+the null candidate, and --quick end to end.
 
 Every frequency is checked against its exact value with a tolerance of 4 binomial standard
 errors at the number of draws (a false failure about once in 16,000 runs per check).
@@ -20,6 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+import decision_mixtures  # noqa: E402
 import decision_resample  # noqa: E402
 
 
@@ -35,12 +38,14 @@ def _pool(rewards: list[list[float]], prefix: str) -> dict:
             "hit": [[False] * len(row) for row in rewards]}
 
 
-def _config(eval_prompts=2, eval_group=2, guard_prompts=2, guard_group=2) -> dict:
+def _config(eval_prompts=2, eval_group=2, guard_prompts=2, guard_group=2, eval_batch=32,
+            guard_rounds=1) -> dict:
     from grpogate.config import RunConfig
 
     config = RunConfig().to_dict()
-    config.update(eval_prompts=eval_prompts, eval_group_size=eval_group, max_new_tokens=8)
-    config["guard"].update(prompts=guard_prompts, group_size=guard_group)
+    config.update(eval_prompts=eval_prompts, eval_group_size=eval_group, max_new_tokens=8,
+                  eval_batch_prompts=eval_batch)
+    config["guard"].update(prompts=guard_prompts, group_size=guard_group, rounds=guard_rounds)
     return config
 
 
@@ -160,17 +165,24 @@ def test_the_gain_test_false_passes_at_most_its_level_and_the_interval_covers():
 
 def test_study_policy_on_a_synthetic_pool_reads_the_real_gates():
     """The baseline against itself on disjoint samples: true gains 0, the null candidate-like
-    effective-update row passes (completions differ), every share is a share of the draws."""
+    effective-update row passes (completions differ), every draw stops where the rule stops
+    (decide_run's retest_stopping row), every share is a share of the draws."""
     rng = np.random.default_rng(4)
     rates = rng.uniform(0.1, 0.8, size=40)
     rewards = (rng.random((40, 8)) < rates[:, None]).astype(float).tolist()
     pool = {"eval": _pool(rewards, "e"), "guard": _pool(rewards[:20], "g")}
-    config = _config(eval_prompts=24, eval_group=4, guard_prompts=12, guard_group=4)
+    config = _config(eval_prompts=24, eval_group=4, guard_prompts=12, guard_group=2,
+                     eval_batch=8, guard_rounds=2)
     result = decision_resample.study_policy(pool, pool, config, 40, seed=0, disjoint=True)
     assert result["truth"]["reward"]["point"] == 0.0
     assert set(result["p_fail"]) == set(decision_resample.GATES)
     assert result["p_fail"]["effective_update"] == 0.0
+    assert result["p_fail"]["retest_stopping"] == 0.0
     assert all(0.0 <= value <= 1.0 for value in result["coverage"].values())
+    # No gain is shown on 24 prompts of a null, so every draw takes all 24 eval prompts; the
+    # guard takes one or both rounds of 12 x 2: completions 2 x (24 x 4 + 24 or 48).
+    assert result["mean_used"]["eval_prompts"] == 24.0
+    assert 2 * (96 + 24) <= result["mean_used"]["completions"] <= 2 * (96 + 48)
     identical = decision_resample.study_policy(pool, pool, config, 10, seed=0)
     assert identical["p_fail"]["effective_update"] == 1.0  # same completions: no update
     assert identical["p_fail"]["reward"] == 1.0 and identical["p_accept"] == 0.0
@@ -208,11 +220,21 @@ def test_quick_runs_end_to_end_and_reuses_its_pools(tiny_model_dir, tmp_path, ca
     decision_quality.main(arguments)
     result = json.loads((work / "decision_quality.json").read_text())
     names = [row["policy"] for row in result["results"]]
-    assert names == [decision_resample.SELF, "null candidate", "perturbed (quick)"]
+    assert names[:4] == [decision_resample.SELF, "null candidate", "perturbed (quick)",
+                         "mixture 0.5 of perturbed (quick)"]
+    assert names[4].startswith("weak null: perturbed (quick) at ")
     null = result["results"][1]
     assert null["p_fail"]["effective_update"] == 1.0 and null["p_accept"] == 0.0
     assert null["truth"]["reward"]["point"] == 0.0
-    assert result["generation"]["completions"] == 3 * (8 * 4 + 6 * 4)
+    assert abs(result["results"][4]["truth"]["reward"]["point"]) <= 0.005
+    # The quick design: eval batches of 2 up to 6 prompts x 2, guard rounds of 3 x 2 up to 3.
+    # A re-test uses 2 x (2 x 2 + 6) = 20 completions at least and 2 x (6 x 2 + 18) = 60 at
+    # most, and every draw stops where the rule stops.
+    for row in result["results"]:
+        assert 20 <= row["mean_used"]["completions"] <= 60
+        assert row["p_fail"]["retest_stopping"] == 0.0
+        assert row["fixed_design_completions"] == 1536
+    assert result["generation"]["completions"] == 3 * (8 * 4 + 3 * 8)
     assert "| null candidate |" in (work / "decision_quality.md").read_text()
     pools = sorted((work / "pools").iterdir())
     assert len(pools) == 3
@@ -234,9 +256,11 @@ def test_a_whole_draw_judges_the_re_test_exactly_as_it_was_sampled():
     assert chosen.tolist() == [0, 1] and samples.tolist() == [[0, 1], [0, 1]]
     evidence = decision_resample.draw_evidence(baseline, candidate, config,
                                                decision_resample.WHOLE)
-    gain = decision_resample.interval(evidence, "reward")
-    assert gain["point"] == pytest.approx(0.25)
-    assert decision_resample.interval(evidence, "guard")["point"] == 0.0
+    assert evidence["comparison"]["reward_mean_gain"] == pytest.approx(0.25)
+    assert evidence["guard"]["reward_mean_gain"] == 0.0
+    # One look holds the whole design (2 prompts, one guard round of 2 x 2): 2 x (2 x 2 + 4).
+    assert evidence["retest"]["stopped_at_look"] == 1
+    assert evidence["retest"]["completions"] == 16
 
 
 def test_real_re_tests_are_summarized_with_their_binomial_error():
@@ -249,7 +273,8 @@ def test_real_re_tests_are_summarized_with_their_binomial_error():
     assert summary["p_accept"] == 0.75 and summary["accepted"] == 3
     assert summary["p_accept_se"] == pytest.approx(math.sqrt(0.75) / 4)
     assert summary["p_fail"] == {"reward": 0.25, "pass_at_group": 0.0, "guard": 0.0,
-                                 "effective_update": 0.0}
+                                 "length_budget": 0.0, "effective_update": 0.0,
+                                 "retest_stopping": 0.0}
 
 
 def test_quick_real_re_tests_use_fresh_seeds_and_problems(tiny_model_dir, tmp_path):
@@ -267,17 +292,20 @@ def test_quick_real_re_tests_use_fresh_seeds_and_problems(tiny_model_dir, tmp_pa
                for path in (work / "pools").iterdir()]
     assert len(headers) == 4
     assert {h["design"]["seed"] for h in headers} == {1000, 1001}
+    # Each pool holds the design's maximum: 6 eval prompts x 2, 3 guard problems x 3 rounds x 2.
+    assert all(h["completions"] == {"eval": 12, "guard": 18} for h in headers)
+    assert all(20 <= run["completions"] <= 60 for run in summary["runs"])
     assert {h["design"]["task"]["eval_seed"] for h in headers} == {1000, 1001}
 
 
 def test_a_mixture_takes_each_sample_whole_from_one_of_the_two_pools():
     baseline = {"eval": _pool([[0.0] * 50] * 4, "e"), "guard": _pool([[0.0] * 50] * 2, "g")}
     candidate = {"eval": _pool([[1.0] * 50] * 4, "e"), "guard": _pool([[1.0] * 50] * 2, "g")}
-    assert decision_resample.mixture(baseline, candidate, 0.0, 0)["eval"]["rewards"] == (
+    assert decision_mixtures.mixture(baseline, candidate, 0.0, 0)["eval"]["rewards"] == (
         baseline["eval"]["rewards"])
-    assert decision_resample.mixture(baseline, candidate, 1.0, 0)["eval"]["rewards"] == (
+    assert decision_mixtures.mixture(baseline, candidate, 1.0, 0)["eval"]["rewards"] == (
         candidate["eval"]["rewards"])
-    mixed = decision_resample.mixture(baseline, candidate, 0.3, 0)["eval"]
+    mixed = decision_mixtures.mixture(baseline, candidate, 0.3, 0)["eval"]
     # _pool's texts end in the reward: every sample's text and reward come from the same pool.
     for row_rewards, row_texts in zip(mixed["rewards"], mixed["texts"]):
         assert all(text.endswith(f"-{reward}") for reward, text in zip(row_rewards, row_texts))
@@ -286,4 +314,153 @@ def test_a_mixture_takes_each_sample_whole_from_one_of_the_two_pools():
     assert abs(share - 0.3) <= _tolerance(0.3, 200)
     other = dict(candidate, eval=_pool([[1.0] * 50] * 3, "e"))
     with pytest.raises(ValueError, match="different prompts"):
-        decision_resample.mixture(baseline, other, 0.5, 0)
+        decision_mixtures.mixture(baseline, other, 0.5, 0)
+
+
+def test_guard_rounds_take_fresh_samples_until_the_pool_is_spent():
+    # 5 problems x 6 samples, rounds of 2: three rounds use each problem's 6 samples once.
+    (one,) = decision_resample.guard_schedule(np.random.default_rng(5), 5, 6, 3, 2)
+    assert one.shape == (3, 5, 2)
+    for problem in range(5):
+        assert sorted(one[:, problem].reshape(-1).tolist()) == list(range(6))
+    # Five rounds: the first three spend the pool, the next two start a new order of it.
+    (more,) = decision_resample.guard_schedule(np.random.default_rng(5), 5, 6, 5, 2)
+    for problem in range(5):
+        assert sorted(more[:3, problem].reshape(-1).tolist()) == list(range(6))
+        assert len(set(more[3:, problem].reshape(-1).tolist())) == 4
+    # Two sides (the "self" null): disjoint halves of every order, 3 samples a side a cycle.
+    first, second = decision_resample.guard_schedule(np.random.default_rng(6), 4, 6, 3, 1,
+                                                     sides=2)
+    for problem in range(4):
+        assert set(first[:, problem, 0]).isdisjoint(second[:, problem, 0])
+    with pytest.raises(ValueError, match="does not fit"):
+        decision_resample.guard_schedule(np.random.default_rng(6), 4, 6, 3, 4, sides=2)
+
+
+def test_a_whole_draw_of_guard_rounds_numbers_samples_as_the_run_does():
+    # 2 guard problems x 4 samples, rounds of 2 up to 2: round r holds sample indexes 2r, 2r + 1.
+    baseline = {"eval": _pool([[0.0, 0.0], [1.0, 1.0]], "e"),
+                "guard": _pool([[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], "g")}
+    candidate = {"eval": _pool([[1.0, 0.0], [1.0, 1.0]], "e"),
+                 "guard": _pool([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]], "g")}
+    config = _config(guard_rounds=2)
+    evidence = decision_resample.draw_evidence(baseline, candidate, config,
+                                               decision_resample.WHOLE)
+    # Nothing is decided on 2 prompts or 4 samples, so the rule takes both rounds: the guard's
+    # sample differences are round 0 (0, 0, 0, 0) then round 1 (1, 1, 0, 0).
+    assert evidence["guard"]["rounds"] == 2
+    assert evidence["guard"]["sample_differences"] == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    assert evidence["retest"]["stopped_at_look"] == 2
+    assert evidence["retest"]["completions"] == 2 * (2 * 2 + 8)
+
+
+def _skewed_null_pools(prompts=1000, samples=8):
+    """Seed-paired pools whose true reward gain is exactly 0 with skewed per-prompt
+    differences: 16 % of prompts gain (baseline 0 on every sample, the candidate right on 2 of
+    8: +0.25 in expectation), 4 % lose everything (-1), the rest tie with different texts.
+    0.16 x 0.25 - 0.04 x 1 = 0. The pass@4 gain is positive (0.16 x (1 - C(6, 4) / C(8, 4))
+    - 0.04 = 0.0857), so the reward gate alone stands between this candidate and accept."""
+    rng = np.random.default_rng(7)
+    base, cand = [], []
+    kinds = ["up"] * (prompts * 16 // 100) + ["down"] * (prompts * 4 // 100)
+    kinds += ["tie"] * (prompts - len(kinds))
+    for kind in kinds:
+        if kind == "up":
+            row = [0.0] * samples
+            wins = rng.choice(samples, size=2, replace=False)
+            base.append(row)
+            cand.append([1.0 if k in wins else 0.0 for k in range(samples)])
+        elif kind == "down":
+            base.append([1.0] * samples)
+            cand.append([0.0] * samples)
+        else:
+            row = (rng.random(samples) < 0.3).astype(float).tolist()
+            base.append(row)
+            cand.append(list(row))
+    baseline = {"eval": _pool(base, "e"), "guard": _pool([[1.0] * 4] * 2, "g")}
+    candidate = {"eval": _pool(cand, "e"), "guard": _pool([[1.0] * 4] * 2, "g")}
+    for row in candidate["eval"]["texts"]:  # tied samples differ in text: an effective update
+        row[:] = [text + "'" for text in row]
+    return baseline, candidate
+
+
+def test_a_skewed_weak_null_is_accepted_at_most_at_the_tests_level():
+    """True reward gain 0 with many small gains and a few full losses (where the sign-flip
+    test passed 4.9-5.8 %, and a t test on these pools passes 4.9 % of 2,000 draws of 128):
+    sequential draws of up to 128 prompts in batches of 32 accept at most 2.5 % + 3 binomial
+    SE of the time (4.4 % at 600 draws, so a 4.9 % rate would fail here), and the reward gate
+    is what stops them. The guard is off (guard.prompts = 0: its row passes as "off")."""
+    from grpogate.evidence.anytime import SIGNIFICANCE_LEVEL
+
+    baseline, candidate = _skewed_null_pools()
+    config = _config(eval_prompts=128, eval_group=4, guard_prompts=0, eval_batch=32)
+    draws = 600
+    result = decision_resample.study_policy(baseline, candidate, config, draws, seed=0)
+    assert result["truth"]["reward"]["point"] == pytest.approx(0.0, abs=1e-12)
+    assert result["truth"]["reward_skewness"] < -1.0
+    limit = SIGNIFICANCE_LEVEL + 3.0 * math.sqrt(SIGNIFICANCE_LEVEL * (1 - SIGNIFICANCE_LEVEL)
+                                                 / draws)
+    assert result["p_accept"] <= limit
+    assert result["p_fail"]["reward"] >= 1.0 - limit
+    assert result["p_fail"]["guard"] == 0.0 and result["p_fail"]["retest_stopping"] == 0.0
+
+
+def test_a_large_gain_stops_at_the_first_look_and_uses_fewer_completions_than_the_fixed_design():
+    """Baseline wrong on every sample, candidate right on every one, guard answers alike:
+    every gate is shown at the first look (32 eval prompts, one round of 100 guard problems x
+    2), so every draw uses 2 x (32 x 4 + 200) = 656 completions, under the fixed 128 x 4 +
+    64 x 4 design's 2 x 768 = 1,536."""
+    baseline = {"eval": _pool([[0.0] * 8] * 300, "e"), "guard": _pool([[1.0] * 32] * 100, "g")}
+    candidate = {"eval": _pool([[1.0] * 8] * 300, "e"), "guard": _pool([[1.0] * 32] * 100, "g")}
+    config = _config(eval_prompts=256, eval_group=4, guard_prompts=100, guard_group=2,
+                     eval_batch=32, guard_rounds=16)
+    result = decision_resample.study_policy(baseline, candidate, config, 5, seed=0)
+    assert result["p_accept"] == 1.0
+    assert result["mean_used"] == {"completions": 656.0, "eval_prompts": 32.0,
+                                   "guard_samples": 200.0}
+    assert result["fixed_design_completions"] == 1536
+    assert result["completions_vs_fixed"] == pytest.approx(656 / 1536)
+    assert result["status"]["guard"] == {"shown": 1.0, "ruled_out": 0.0, "open": 0.0}
+    assert result["coverage"] == {"reward": 1.0, "pass_at_group": 1.0, "guard": 1.0}
+
+
+def test_the_weak_null_share_is_tuned_to_a_zero_true_gain():
+    # Baseline 0.5 on all 4 samples, A 1.0 (+0.5), B 0.0 (-0.5): each sample turned from A's
+    # to B's moves the gain by -1 / 4, so exactly 2 of the 4 make it 0.
+    baseline = {"eval": _pool([[0.5, 0.5]] * 2, "e"), "guard": _pool([[0.0]] * 2, "g")}
+    gaining = {"eval": _pool([[1.0, 1.0]] * 2, "e"), "guard": _pool([[0.0]] * 2, "g")}
+    damaging = {"eval": _pool([[0.0, 0.0]] * 2, "e"), "guard": _pool([[0.0]] * 2, "g")}
+    share, gain = decision_mixtures.tuned_share(baseline, gaining, damaging, seed=3)
+    assert gain == 0.0
+    mixed = decision_mixtures.mixture(gaining, damaging, share, seed=3)
+    assert sorted(sum(mixed["eval"]["rewards"], [])) == [0.0, 0.0, 1.0, 1.0]
+    name, pool = decision_mixtures.build("1:2:null", baseline,
+                                         [("A", gaining), ("B", damaging)], seed=3)
+    assert name == f"weak null: B at {share:.3f} in A"
+    assert pool["eval"]["rewards"] == mixed["eval"]["rewards"]
+    # Two gaining policies have no zero between them: the nearest (+0.5) is named.
+    with pytest.raises(ValueError, match=r"nearest \+0.5000"):
+        decision_mixtures.build("1:2:null", baseline, [("A", gaining), ("A2", gaining)], 3)
+
+
+def test_mixture_items_are_parsed_or_refused_with_the_reason():
+    assert decision_mixtures.parse("0.3", 1) == (0, 1, 0.3)
+    assert decision_mixtures.parse("1:2:null", 2) == (1, 2, None)
+    assert decision_mixtures.parse("2:0:0.25", 2) == (2, 0, 0.25)
+    for item, reason in (("1:3:0.5", "lie in 0..2"), ("1:1:0.5", "must differ"),
+                         ("0:1:1.5", r"\[0, 1\]"), ("a:1:0.5", "policy numbers"),
+                         ("0:1", "expected SHARE")):
+        with pytest.raises(ValueError, match=reason):
+            decision_mixtures.parse(item, 2)
+
+
+def test_a_pool_too_small_for_the_design_is_exit_2_before_any_generation(tmp_path, capsys):
+    import decision_quality
+
+    work = tmp_path / "small"
+    with pytest.raises(SystemExit) as exit_info:  # --quick's design takes up to 6 eval prompts
+        decision_quality.main(["--work-dir", str(work), "--quick", "--eval-pool", "4",
+                               "--baseline", "unused-model-dir"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: --eval-pool 4: the design needs at least 6\n"
+    assert not (work / "pools").exists() and not (work / "decision_quality.json").exists()
