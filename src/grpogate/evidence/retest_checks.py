@@ -12,6 +12,8 @@ Otherwise the gates read point estimates.
 
 from __future__ import annotations
 
+import copy
+import functools
 from typing import Any
 
 from grpogate.errors import plain
@@ -111,12 +113,24 @@ def sequential_outcome(evidence: Any, gates: Any) -> dict | None:
         "eval_batch": len(reward), "eval_max": len(reward),
         "guard_batch": len(guard or []), "guard_max": len(guard or [])}
     try:
-        walked = stopping.walk_looks(reward, passed, guard, design, margins)
+        walked = copy.deepcopy(_walked(tuple(reward), tuple(passed),
+                                       None if guard is None else tuple(guard),
+                                       tuple(sorted(design.items())),
+                                       tuple(sorted(margins.items()))))
     except (ValueError, KeyError, TypeError):
         return None
     return walked | {"design": design, "margins": margins,
                      "recorded": {"eval_prompts": len(reward),
                                   "guard_samples": len(guard or [])}}
+
+
+@functools.lru_cache(maxsize=8)
+def _walked(reward: tuple, passed: tuple, guard: tuple | None, design: tuple,
+            margins: tuple) -> dict:
+    """stopping.walk_looks, once per evidence: a decision reads it in four rows and the
+    evidence's `retest` section once more (each walk re-reads every test at every look)."""
+    return stopping.walk_looks(list(reward), list(passed), None if guard is None else list(guard),
+                               dict(design), dict(margins))
 
 
 def _looks_of(outcome: dict, gate: str) -> dict:
