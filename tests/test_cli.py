@@ -99,7 +99,7 @@ def test_a_dry_run_reads_the_gates_file(invoke, tmp_path):
 def test_a_smoke_run_says_it_is_a_pipeline_check_and_which_gain_rule_decided(tiny_model_dir,
                                                                              tmp_path):
     """The smoke profile's purpose is printed with its decision, where a user reads it, and so
-    is the rule its gain gates read (the default's: the bootstrap lower bound)."""
+    is the rule its gain gates read (the default's: the anytime-valid sequential test)."""
     from conftest import TINY_SIZES
 
     args = ["run", "--profile", "smoke", "--model", str(tiny_model_dir),
@@ -110,9 +110,10 @@ def test_a_smoke_run_says_it_is_a_pipeline_check_and_which_gain_rule_decided(tin
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())  # rich wraps long lines at the terminal width
     assert "profile smoke: a pipeline check" in text
-    assert ("gain gates (reward, pass_at_group) pass when a one-sided paired sign-flip test "
-            "rejects 'gain <= minimum' at p <= 0.025 (gates.require_significant_gain = true)"
-            ) in text
+    assert ("gain gates (reward, pass_at_group) pass when an anytime-valid one-sided test shows "
+            "'gain > minimum' at level 0.025 (the lower confidence bound above the minimum); the "
+            "guard passes when it shows the guard loss below gates.maximum_guard_reward_loss "
+            "(gates.require_significant_gain = true)") in text
 
 
 def test_profile_notes():
