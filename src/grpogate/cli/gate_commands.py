@@ -26,6 +26,11 @@ CANDIDATE = typer.Option("", "--candidate", metavar="DIR", help="A candidate fro
                          "adapter_model.safetensors) or a Hugging Face checkpoint (config.json + "
                          "model.safetensors, or shards with model.safetensors.index.json). "
                          "Pickles are never loaded.")
+TRAIN_DATA = typer.Option(
+    "", "--train-data", metavar="FILE", help="The training dataset as TRL took it, a local file "
+    "or folder: .jsonl (read line by line), or parquet, .json, .csv, .arrow or a save_to_disk "
+    "folder (read by Hugging Face datasets, every split). Each row's \"prompt\" (a string or "
+    "chat messages) is what TRL trained on: no eval prompt may appear inside it.")
 
 
 def gate_command(print_result: Callable[[dict, bool], None]):
@@ -41,12 +46,7 @@ def gate_command(print_result: Callable[[dict, bool], None]):
         num_generations: Optional[int] = typer.Option(
             None, "--num-generations", metavar="G", min=1,
             help="TRL's num_generations (G), unless --trl-args gives it."),
-        train_data: str = typer.Option(
-            "", "--train-data", metavar="FILE", help="The training dataset as TRL took it, a "
-            "local file or folder: .jsonl (read line by line), or parquet, .json, .csv, .arrow "
-            "or a save_to_disk folder (read by Hugging Face datasets, every split). Each row's "
-            "\"prompt\" (a string or chat messages) is what TRL trained on: no eval prompt may "
-            "appear inside it."),
+        train_data: str = TRAIN_DATA,
         train_from_config: bool = typer.Option(
             False, "--train-from-config", help="The run trained on the config's own train split."),
         profile: str = typer.Option("default", metavar="NAME", help="Packaged profile for the "
@@ -83,14 +83,19 @@ def gate_command(print_result: Callable[[dict, bool], None]):
                 evidence = gate_run(config, request, RichReporter(progress))
         except InputError as error:
             fail(error)
-        from grpogate.inputs.candidate_dir import finite_weights_line
-
-        console.print(finite_weights_line(evidence["foreign"]["admission"]["finite_weights"]),
-                      soft_wrap=True)
-        isolation = evidence["foreign"]["admission"]["isolation"]
-        if not isolation["checked"]:
-            console.print(f"[yellow]{isolation['note']}[/]", soft_wrap=True)
-        console.print(f"rollout figures: {evidence['rollout']['source_note']}", soft_wrap=True)
+        _print_admission(evidence)
         print_result(evidence, exit_code_from_decision)
 
     return gate
+
+
+def _print_admission(evidence: dict) -> None:
+    """What only a gated candidate's admission says: its weights' finiteness, whether isolation
+    was checked, where the rollout figures come from."""
+    from grpogate.inputs.candidate_dir import finite_weights_line
+
+    admission = evidence["foreign"]["admission"]
+    console.print(finite_weights_line(admission["finite_weights"]), soft_wrap=True)
+    if not admission["isolation"]["checked"]:
+        console.print(f"[yellow]{admission['isolation']['note']}[/]", soft_wrap=True)
+    console.print(f"rollout figures: {evidence['rollout']['source_note']}", soft_wrap=True)

@@ -90,16 +90,7 @@ def validate(config: RunConfig) -> RunConfig:
     need(config.eval_group_size >= 1, "eval_group_size must be >= 1")
     need(config.train_prompts >= 1 and config.eval_prompts >= 1,
          "train_prompts and eval_prompts must be >= 1")
-    need(config.eval_batch_prompts >= 1, f"eval_batch_prompts must be >= 1 (got "
-         f"{config.eval_batch_prompts}): the re-test's prompts per look")
-    looks = -(-config.eval_prompts // config.eval_batch_prompts) + config.guard.rounds
-    need(looks <= MAX_RETEST_LOOKS,
-         f"the re-test may take at most {MAX_RETEST_LOOKS} looks: raise eval_batch_prompts or "
-         f"lower guard.rounds (eval_prompts {config.eval_prompts}, eval_batch_prompts "
-         f"{config.eval_batch_prompts}, guard.rounds {config.guard.rounds})")
-    need(config.task.eval_pool == 0 or config.task.eval_pool >= config.eval_prompts,
-         f"task.eval_pool ({config.task.eval_pool}) must be 0 or >= eval_prompts "
-         f"({config.eval_prompts}): the eval prompts are drawn from it")
+    _validate_looks(config, need)
     need(config.prompts_per_step >= 1, "prompts_per_step must be >= 1")
     need(config.train_prompts % config.prompts_per_step == 0,
          f"train_prompts ({config.train_prompts}) must be divisible by prompts_per_step "
@@ -266,6 +257,20 @@ def _validate_sampling(config: RunConfig, need) -> None:
          f"min_p must be in [0, 1) (0 = off; got {config.min_p})")
     need(config.max_generation_rounds >= 1,
          f"max_generation_rounds must be >= 1 (got {config.max_generation_rounds})")
+
+
+def _validate_looks(config: RunConfig, need) -> None:
+    """The sequential re-test's batches, pool and number of looks."""
+    need(config.eval_batch_prompts >= 1, f"eval_batch_prompts must be >= 1 (got "
+         f"{config.eval_batch_prompts}): the re-test's prompts per look")
+    looks = -(-config.eval_prompts // config.eval_batch_prompts) + config.guard.rounds
+    need(looks <= MAX_RETEST_LOOKS,
+         f"the re-test may take at most {MAX_RETEST_LOOKS} looks: raise eval_batch_prompts or "
+         f"lower guard.rounds (eval_prompts {config.eval_prompts}, eval_batch_prompts "
+         f"{config.eval_batch_prompts}, guard.rounds {config.guard.rounds})")
+    need(config.task.eval_pool == 0 or config.task.eval_pool >= config.eval_prompts,
+         f"task.eval_pool ({config.task.eval_pool}) must be 0 or >= eval_prompts "
+         f"({config.eval_prompts}): the eval prompts are drawn from it")
 
 
 def _validate_guard(config: RunConfig, need) -> None:

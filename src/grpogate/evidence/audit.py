@@ -28,7 +28,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
-from grpogate.config import Gates, TaskConfig
+from grpogate.config import Gates
 from grpogate.errors import InputError
 from grpogate.evidence import decisions
 from grpogate.evidence.assemble import (assemble_evidence, generation_rounds, recorded_facts,
@@ -42,32 +42,9 @@ from grpogate.evidence.table_audit import check_table_identity
 from grpogate.evidence.rescore import (RescorePlan, announce_cost, audit_reward_set, describe,
                                       rescored_reward, run_limits)
 from grpogate.files import confined_file
-from grpogate.inputs.tasks import load_problem_sets, problem_set_hash
+from grpogate.inputs.tasks import problem_set_hash
 from grpogate.inputs.verifiers import get_verifier
 
-
-def reload_problem_sets(config: dict, inputs: dict) -> tuple[list, dict, list, dict]:
-    """The run's train and eval problems regenerated from its recorded configuration (needs the
-    task generator or dataset; `decide --replay` uses it, the audit reads problems.jsonl).
-
-    Calls the run's own `tasks.load_problem_sets` (pure, no torch). A GSM8K split is read from
-    the absolute file the run recorded when it exists, so a run configured with a relative path
-    can be replayed from any working directory.
-    """
-    # A run recorded before eval pools drew its eval set in generation order (eval_pool 0).
-    task = TaskConfig(**{"eval_pool": 0, **config["task"]})
-
-    def recorded_file(identity_key: str) -> str:
-        recorded = (inputs.get(identity_key) or {}).get("file")
-        usable = isinstance(recorded, str) and Path(recorded).is_absolute() and Path(recorded).is_file()
-        return recorded if usable else ""
-
-    return load_problem_sets(task, config["train_prompts"], config["eval_prompts"],
-                             recorded_file("train_set"), recorded_file("eval_set"))
-
-
-
-# --- the checks ---------------------------------------------------------------------------------
 
 def _budget_consistent(record: dict, max_new_tokens: Any) -> bool:
     """A completion that hit the budget has exactly max_new_tokens tokens; one below it did not."""

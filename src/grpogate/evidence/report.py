@@ -21,6 +21,7 @@ from grpogate.errors import InputError
 from grpogate.evidence.decisions import gain_rule, gain_rule_line, no_change_reason
 from grpogate.evidence.retest_checks import SEQUENTIAL_RULE, test_lines
 from grpogate.evidence.manifest import PROBLEMS_FILE
+from grpogate.evidence.report_advice import ADVICE
 from grpogate.evidence.report_html import _STYLE, _e, _fmt, _h2, _img, _table
 from grpogate.evidence.report_figures import paired_prompts, render_all, stage_seconds
 from grpogate.files import atomic_write_bytes, jsonl_lines, parse_json, read_confined, tolerated
@@ -32,40 +33,6 @@ SECTIONS = ("gates", "what-to-try", "configuration", "re-test", "guard-drift", "
             "completions", "training", "stage-times", "inputs")
 
 
-ADVICE = {
-    "contract": "the trajectories break the rollout contract (identities, complete groups): "
-                "a bug or tampering; run again and report it if it repeats",
-    "execution": "no optimizer step happened: no group had reward variance; raise group_size "
-                 "or temperature, or choose task params the baseline solves 10-60 % of",
-    "effective_groups": "too few groups had reward variance: raise group_size (G) or "
-                        "temperature, or choose task params the baseline solves 10-60 % of",
-    "effective_throughput": "training was slower than the gate: lower max_new_tokens, raise "
-                            "generation_batch_size, or run on a GPU (--device cuda)",
-    "updates": "too few optimizer steps: train longer (--steps)",
-    "reward": "the re-test mean reward did not gain enough: train longer (--steps), try a "
-              "higher --lr (e.g. 1e-4), and use more eval_prompts so small gains are resolved",
-    "pass_at_group": "pass@k did not gain enough: train longer or with a higher --lr; more "
-                     "eval_prompts narrow the interval",
-    "truncation": "too many training completions hit the token budget: raise --max-new-tokens "
-                  "or ask for shorter answers (system_prompt)",
-    "length_budget": "too many re-test completions hit the token budget, so the gain is "
-                     "measured on cut-off answers: raise --max-new-tokens",
-    "guard": "the candidate is significantly worse on the guard set (a neighbouring task): "
-             "the update damaged what it was not trained on; lower --lr, raise beta, or train "
-             "fewer steps, and look at the guard completions (guard_completions.jsonl)",
-    "retest_kl": "the candidate moved further from the baseline than the KL gate allows: "
-                 "raise beta, lower --lr or train fewer steps",
-    "effective_update": "the candidate answers the re-test exactly as the baseline does: the "
-                        "update changed nothing measurable; raise --lr or train more steps",
-    "finite_weights": "the candidate's weights hold NaN or infinite values (what a diverged "
-                      "training run leaves): it was not re-tested; take an earlier checkpoint "
-                      "or train again with a lower learning rate",
-    "finite_retest": "the candidate's re-test gave NaN or infinite entropies or KL (its logits "
-                     "overflow): it computes no usable distribution; take an earlier checkpoint",
-    "memory": "peak memory above the gate: lower micro_batch_size or generation_batch_size",
-    "artifact": "the adapter is missing or does not hash as recorded: do not deliver this "
-                "directory; run again",
-}
 
 
 def gates_section(evidence: dict) -> str:

@@ -22,14 +22,13 @@ from pathlib import Path
 
 import torch
 
-from grpogate.config import BUNDLED_MODEL, resume_config
+from grpogate.config import BUNDLED_MODEL, TaskConfig, resume_config
 from grpogate.errors import InputError, first_line
 from grpogate.evidence.assemble import library_versions
 from grpogate.evidence import stopping
-from grpogate.evidence.audit import reload_problem_sets
 from grpogate.evidence.manifest import PROBLEMS_FILE
 from grpogate.files import ADAPTER_WEIGHTS, lies_inside, parse_json, read_confined, read_jsonl
-from grpogate.inputs.tasks import problem_set_hash, stored_sets
+from grpogate.inputs.tasks import load_problem_sets, problem_set_hash, stored_sets
 from grpogate.inputs.policy import (TRAINABLE, current_version, load_adapter_state, load_policy)
 from grpogate.inputs.verifiers import get_verifier
 from grpogate.interrupts import StopRequest
@@ -94,16 +93,8 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
     encoded = encode_prompts(policy.tokenizer, eval_set, config.resolved_system_prompt(),
                              config.max_prompt_tokens)
     verifier = get_verifier(evidence["inputs"]["verifier"]["name"])
-    replayed, batch = [], replay_batch(config)
-    by_policy: dict[str, list] = {"baseline": [], "candidate": []}
-    for start in range(0, count, batch):  # the run's looks: the same rows decoded together
-        records, _ = retest_both(policy, eval_set, encoded, verifier, config,
-                                 evidence["artifact"]["new_policy_version"], NullReporter(),
-                                 StopRequest(), shared_prefix=shared_prefix_length(encoded),
-                                 indexes=range(start, min(start + batch, count)))
-        for record in records:
-            by_policy[record["policy"]].append(record)
-    replayed = by_policy["baseline"] + by_policy["candidate"]
+    replayed = _in_looks(policy, eval_set, encoded, verifier, config,
+                         evidence["artifact"]["new_policy_version"], count)
     stored = {(r.get("policy"), r.get("prompt_id"), r.get("sample_index")): (number, r)
               for number, r in enumerate(read_jsonl(run_dir / "eval_completions.jsonl"), 1)}
     mismatches, equal = [], 0
@@ -123,6 +114,46 @@ def replay_retest(run_dir: str | Path, prompts: int) -> dict:
     return {"prompts": count, "compared": len(replayed), "equal": equal,
             "environment_matches": not differences, "environment_differences": differences,
             "mismatches": mismatches if not differences else []}
+
+
+def reload_problem_sets(config: dict, inputs: dict) -> tuple[list, dict, list, dict]:
+    """The run's train and eval problems regenerated from its recorded configuration (needs the
+    task generator or dataset; `decide --replay` uses it, the audit reads problems.jsonl).
+
+    Calls the run's own `tasks.load_problem_sets` (pure, no torch). A GSM8K split is read from
+    the absolute file the run recorded when it exists, so a run configured with a relative path
+    can be replayed from any working directory.
+    """
+    # A run recorded before eval pools drew its eval set in generation order (eval_pool 0).
+    task = TaskConfig(**{"eval_pool": 0, **config["task"]})
+
+    def recorded_file(identity_key: str) -> str:
+        recorded = (inputs.get(identity_key) or {}).get("file")
+        usable = isinstance(recorded, str) and Path(recorded).is_absolute() and Path(recorded).is_file()
+        return recorded if usable else ""
+
+    return load_problem_sets(task, config["train_prompts"], config["eval_prompts"],
+                             recorded_file("train_set"), recorded_file("eval_set"))
+
+
+
+# --- the checks ---------------------------------------------------------------------------------
+
+def _in_looks(policy, eval_set: list, encoded: list, verifier, config, candidate_version: str,
+              count: int) -> list[dict]:
+    """Both policies' completions of the first `count` eval prompts, decoded in the run's looks
+    (the same rows together, the same shared prefix): the baseline's records, then the
+    candidate's."""
+    by_policy: dict[str, list] = {"baseline": [], "candidate": []}
+    batch = replay_batch(config)
+    for start in range(0, count, batch):
+        records, _ = retest_both(policy, eval_set, encoded, verifier, config, candidate_version,
+                                 NullReporter(), StopRequest(),
+                                 shared_prefix=shared_prefix_length(encoded),
+                                 indexes=range(start, min(start + batch, count)))
+        for record in records:
+            by_policy[record["policy"]].append(record)
+    return by_policy["baseline"] + by_policy["candidate"]
 
 
 def _eval_set(run_dir: Path, evidence: dict) -> list:
