@@ -131,8 +131,9 @@ def test_each_count_above_its_maximum_is_refused_naming_key_cap_and_value(overri
 
 
 def test_each_maximum_is_accepted_and_no_run_cap_exceeds_the_audits():
+    # eval_prompts are drawn from task.eval_pool, which must hold them (its cap is theirs).
     at_caps = load_config(overrides=["group_size=1024", "max_new_tokens=131072",
-                                     "eval_prompts=100000", "steps=1"])
+                                     "eval_prompts=100000", "task.eval_pool=100000", "steps=1"])
     assert (at_caps.group_size, at_caps.max_new_tokens, at_caps.eval_prompts) == (
         1024, 131_072, 100_000)
     # A run grpogate starts is one decide can re-check (the audit's caps hold it).

@@ -50,7 +50,7 @@ def test_smoke_run_writes_consistent_evidence(smoke_run):
     assert f"decision: {manifest['decision']}" in stdout
     text = " ".join(stdout.split())  # rich wraps long lines at the terminal width
     assert "profile smoke: a pipeline check" in text  # what the profile is for, with its decision
-    assert "gain gates (reward, pass_at_group) pass when a one-sided paired sign-flip test" in text
+    assert "gain gates (reward, pass_at_group) pass when an anytime-valid one-sided test" in text
     assert manifest["rollback_source"]["policy_version"] == evidence["inputs"]["baseline_policy_version"]
     assert manifest["new_policy_version"] != manifest["source_policy_version"]
     for key in ("rollout_seconds", "verification_seconds", "update_seconds", "evaluation_seconds"):
