@@ -164,3 +164,22 @@ def test_design_of_a_recorded_config():
     assert design_of(point) == {"eval_batch": 256, "eval_max": 256, "guard_batch": 200,
                                 "guard_max": 200}
     assert design_of({"eval_prompts": 8}) is None  # recorded before the sequential re-test
+
+
+def test_the_plan_of_the_default_re_test():
+    """The default: 256 eval prompts in looks of 32 (8 looks), 16 guard rounds of 100 x 2 (3,200
+    paired samples); the most completions 2 x (256 x 4 + 3,200) = 8,448. At the planning
+    spreads the resolvable figures are resolvable_difference's at those maxima and margins."""
+    from grpogate.admission import retest_plan
+    from grpogate.config import load_config
+    from grpogate.evidence.stopping import PLANNING_SPREADS
+
+    plan = retest_plan(load_config("default"))
+    assert (plan["eval_looks"], plan["guard_rounds"], plan["max_completions"]) == (8, 16, 8448)
+    assert plan["resolvable_reward_gain"] == resolvable_difference(
+        PLANNING_SPREADS["reward"], 256, 0.0)
+    assert plan["resolvable_guard_gain_beyond_margin"] == resolvable_difference(
+        PLANNING_SPREADS["guard"], 3200, -0.05)
+    assert plan["resolvable_guard_gain_beyond_margin"] < 0.05  # a neutral guard: shown at 0.8
+    assert retest_plan(load_config("default", overrides=["guard.prompts=0"]))[
+        "max_completions"] == 2 * 256 * 4
