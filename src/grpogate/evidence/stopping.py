@@ -54,9 +54,8 @@ def walk_looks(reward: list[float], passed: list[float], guard: list[float] | No
     """The looks the rule takes over the per-prompt differences available (each list in drawn
     order; `guard` None when the guard is off).
 
-    design: {"eval_batch", "eval_max" (prompts), "guard_batch", "guard_max" (paired samples)}.
-    margins:
-    {"reward", "pass_at_group", "guard"} (the gates' minimums; the guard's is -delta).
+    design: {"eval_batch", "eval_max" (prompts), "guard_batch", "guard_max" (paired samples)};
+    margins: {"reward", "pass_at_group", "guard"} (the gains' minimums; the guard's is -delta).
     Returns {"looks": [...], "complete": the rule stopped within the data, "eval_prompts",
     "guard_samples" (where it stopped, or how far the data reaches), "next": (eval, guard)
     observations the next look needs when not complete, "status": {gate: shown | ruled_out | open},
