@@ -1,6 +1,8 @@
 """The GPU check: a random-weight model of Qwen2.5-0.5B-Instruct's shape through the whole
 pipeline at the reference profile's sizes (docs/design.md §13), recording seconds per stage, generation tokens/s, effective
-trajectories/s and peak allocated / reserved GPU memory next to the published 7.0 / 9.5 GiB.
+trajectories/s and peak allocated / reserved GPU memory next to the published 7.0 / 9.5 GiB;
+then `grpogate gate --candidate` on the adapter that run delivered (the door a candidate from
+another trainer takes), with its own decision, tokens/s and peak memory.
 
     python bench/gpu_check.py --tokenizer DIR --gsm8k DIR --out DIR [--tiny]
 
@@ -18,6 +20,7 @@ Prints one JSON object; the run directory holds the usual evidence.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -82,6 +85,7 @@ def main() -> None:
     wall = time.perf_counter() - started
     resources, rollout = evidence["resources"], evidence["rollout"]
     gib = 1024 ** 3
+    gated = gate_candidate(config, out)
     print(json.dumps({
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "tiny": args.tiny, "model_build_seconds": round(build_seconds, 1),
@@ -95,8 +99,35 @@ def main() -> None:
         "peak_allocated_gib": resources["peak_allocated_bytes"] / gib,
         "peak_reserved_gib": resources["peak_reserved_bytes"] / gib,
         "published_gib": PUBLISHED_GIB, "decision": evidence["decision"]["decision"],
-        "run_dir": evidence["run_dir"],
+        "run_dir": evidence["run_dir"], "gate_candidate": gated,
     }, indent=2))
+
+
+def gate_candidate(config, out: Path) -> dict:
+    """`grpogate gate --candidate RUN/adapter` against the same baseline, as a user gating
+    another trainer's adapter would (the run's own train split is what it trained on)."""
+    import torch
+
+    from grpogate.trl_gate import GateRequest, gate
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    config = dataclasses.replace(config, out=str(out / "gate"))
+    started = time.perf_counter()
+    evidence = gate(config, GateRequest(candidate=str(out / "run" / "adapter"),
+                                        train_from_config=True))
+    run_dir, seconds = Path(evidence["run_dir"]), evidence["timings"]["evaluation_seconds"]
+    records = [json.loads(line) for name in ("eval_completions.jsonl", "guard_completions.jsonl")
+               if (run_dir / name).is_file()
+               for line in (run_dir / name).read_text().splitlines()]
+    tokens = sum(record["completion_tokens"] for record in records)
+    return {"wall_seconds": round(time.perf_counter() - started, 1),
+            "decision": evidence["decision"]["decision"],
+            "failed_checks": evidence["decision"]["failed_checks"],
+            "retest_completions": len(records),
+            "retest_tokens_per_second": tokens / seconds if seconds else None,
+            "peak_allocated_gib": evidence["resources"]["peak_allocated_bytes"] / 1024 ** 3,
+            "run_dir": str(run_dir)}
 
 
 if __name__ == "__main__":

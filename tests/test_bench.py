@@ -265,6 +265,18 @@ def test_gpu_check_runs_end_to_end_on_a_tiny_qwen2(tiny_model_dir, tmp_path):
     assert report["peak_allocated_gib"] > 0
     evidence = json.loads((tmp_path / "check" / "run" / "evidence.json").read_text())
     assert evidence["config"]["model"].endswith("model") and evidence["status"] == "ok"
+    # the gate of the delivered adapter through `gate --candidate`'s door, judged by decide's rule
+    gated = report["gate_candidate"]
+    gate_evidence = json.loads((tmp_path / "check" / "gate" / "evidence.json").read_text())
+    assert gated["decision"] == gate_evidence["decision"]["decision"]
+    assert gated["failed_checks"] == gate_evidence["decision"]["failed_checks"]
+    gate_dir = tmp_path / "check" / "gate"
+    stored = sum(len((gate_dir / name).read_text().splitlines())
+                 for name in ("eval_completions.jsonl", "guard_completions.jsonl")
+                 if (gate_dir / name).is_file())
+    assert gated["retest_completions"] == stored > 0
+    assert gated["retest_tokens_per_second"] > 0 and gated["peak_allocated_gib"] > 0
+    assert (tmp_path / "check" / "gate" / "manifest.json").is_file()
 
 
 def test_decode_bound_records_the_rollout_it_times_without_changing_it(tiny_config, tmp_path):
