@@ -4,17 +4,24 @@
 # (a core dependency: --task dataset: and gate --train-data read a user's table). `--test` adds
 # the test dependencies (with math-verify, model-signing and TRL, so their tests run rather than
 # skip: the TRL tests train with TRL's own GRPOTrainer and gate the result) and Chromium (for the
-# report rendering test, when run as root with apt).
+# report rendering test, when run as root with apt). `--gpu` takes torch from PyPI itself, whose
+# Linux x86_64 wheel is built with CUDA, instead of whatever build the machine's index offers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras=""
-if [[ "${1:-}" == "--test" ]]; then extras="[test,math,signing,bench]"; fi
+extras="" torch_index=()
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="[test,math,signing,bench]" ;;
+    --gpu) torch_index=(--index-url https://pypi.org/simple) ;;
+    *) echo "error: scripts/setup.sh: unknown option $arg (--test, --gpu)" >&2; exit 2 ;;
+  esac
+done
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 . .venv/bin/activate
 pip install -q --disable-pip-version-check --upgrade pip
-# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build. GPU users who
-# already have a CUDA torch can skip this line; grpogate asks only for torch>=2.4.
-pip install -q --disable-pip-version-check torch==2.13.0
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build where the index
+# offers a CPU one (grpogate itself asks only for torch>=2.4).
+pip install -q --disable-pip-version-check "${torch_index[@]}" torch==2.13.0
 # transformers and PEFT at the minor versions the suite ran on: the CPU accelerator relies on
 # private parts of both and declines any other version (engines/cpu/versions.py).
 pip install -q --disable-pip-version-check -e ".${extras}" "transformers==5.25.*" "peft==0.21.*"
