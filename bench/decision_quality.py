@@ -3,7 +3,7 @@
     python bench/decision_quality.py --work-dir DIR [--candidate ADAPTER_DIR ...]
         [--exclude-run RUN_DIR] [--eval-pool 1024] [--eval-samples 8] [--guard-pool 100]
         [--guard-samples 64] [--draws 2000] [--seed 0] [--pools-only]
-        [--mixtures 0.2,0.4,1:2:null]
+        [--mixtures 0.2,0.4,1:2:null,1:2:guard]
     python bench/decision_quality.py --work-dir DIR --quick
     python bench/decision_quality.py --work-dir DIR --real-retests 20 [--perturbed 0.02]
         [--candidate ADAPTER_DIR ...] [--exclude-run RUN_DIR]
@@ -34,6 +34,8 @@ coin per sample, so every completion is real and the true gains fall between); `
 mixes policy B into policy A (0 the baseline, k the k-th --candidate); `A:B:null` is the weak
 null: the share is tuned so the true reward gain on the pool is 0 +- 0.005 (a gaining A and a
 damaging B give skewed per-prompt differences with no mean gain).
+`A:B:guard` tunes it so the true guard gain is -gates.maximum_guard_reward_loss (a
+candidate at the guard's margin: P(accept) there is the guard's error rate).
 --exclude-run skips a run's training prompts while drawing the eval pool (its candidates'
 true gains are then on prompts they never trained on). --quick runs everything on a tiny
 random Llama with tiny pools, in seconds: it proves the machinery and measures nothing about
@@ -296,7 +298,9 @@ def study(work_dir: Path, candidates: list[str], sizes: dict, seed: int, quick: 
         return {"pools_only": True, "pool_design": design,
                 "generation": generation_rates([baseline] + [pool for _, pool in pools])}
     try:  # graded policies and weak nulls from the --candidate pools (decision_mixtures)
-        pools += [decision_mixtures.build(item, baseline, pools[1:], seed) for item in mixtures]
+        pools += [decision_mixtures.build(item, baseline, pools[1:], seed,
+                                          config.gates.maximum_guard_reward_loss)
+                  for item in mixtures]
     except ValueError as error:
         raise InputError(f"--mixtures {error}") from None
     results = [{"policy": decision_resample.SELF, "identity": baseline["header"]["identity"],
@@ -357,8 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mixtures", default="", metavar="ITEMS",
                         help="comma-separated graded policies: SHARE (the first --candidate "
                              "into the baseline), A:B:SHARE (policy B into policy A; 0 the "
-                             "baseline, k the k-th --candidate) or A:B:null (the weak null: "
-                             "the share whose true reward gain is 0 +- 0.005)")
+                             "baseline, k the k-th --candidate), A:B:null (the weak null: "
+                             "the share whose true reward gain is 0 +- 0.005) or A:B:guard "
+                             "(the share whose true guard gain is -maximum_guard_reward_loss)")
     parser.add_argument("--perturbed", type=float, default=0.0, metavar="SCALE",
                         help="add the null adapter with random B of this scale as a candidate")
     for key in FULL:

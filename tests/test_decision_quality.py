@@ -443,9 +443,30 @@ def test_the_weak_null_share_is_tuned_to_a_zero_true_gain():
         decision_mixtures.build("1:2:null", baseline, [("A", gaining), ("A2", gaining)], 3)
 
 
+def test_the_guard_margin_share_is_tuned_to_a_true_guard_loss_of_the_margin():
+    # Guard: baseline 0.5 on all 10 samples, A 0.5 (gain 0), B 0.0 (-0.5): each sample turned
+    # from A's to B's moves the guard gain by -0.5 / 10 = -0.05, so exactly one of the ten
+    # puts it at -0.05, the margin; the eval pools take no part.
+    baseline = {"eval": _pool([[0.5]] * 2, "e"), "guard": _pool([[0.5] * 5] * 2, "g")}
+    level = {"eval": _pool([[1.0]] * 2, "e"), "guard": _pool([[0.5] * 5] * 2, "g")}
+    damaging = {"eval": _pool([[0.0]] * 2, "e"), "guard": _pool([[0.0] * 5] * 2, "g")}
+    share, gain = decision_mixtures.tuned_share(baseline, level, damaging, 3, "guard", -0.05)
+    assert gain == pytest.approx(-0.05)
+    name, pool = decision_mixtures.build("1:2:guard", baseline,
+                                         [("A", level), ("B", damaging)], seed=3,
+                                         guard_margin=0.05)
+    assert name == f"at the guard margin: B at {share:.3f} in A"
+    assert sum(sum(row) for row in pool["guard"]["rewards"]) == 4.5  # nine of ten kept 0.5
+    # A margin no mixture reaches (the most damaging, all of B, loses 0.5) is refused.
+    with pytest.raises(ValueError, match=r"guard gain within 0.005 of -0.6"):
+        decision_mixtures.build("1:2:guard", baseline, [("A", level), ("B", damaging)], 3,
+                                guard_margin=0.6)
+
+
 def test_mixture_items_are_parsed_or_refused_with_the_reason():
     assert decision_mixtures.parse("0.3", 1) == (0, 1, 0.3)
-    assert decision_mixtures.parse("1:2:null", 2) == (1, 2, None)
+    assert decision_mixtures.parse("1:2:null", 2) == (1, 2, "null")
+    assert decision_mixtures.parse("1:2:guard", 2) == (1, 2, "guard")
     assert decision_mixtures.parse("2:0:0.25", 2) == (2, 0, 0.25)
     for item, reason in (("1:3:0.5", "lie in 0..2"), ("1:1:0.5", "must differ"),
                          ("0:1:1.5", r"\[0, 1\]"), ("a:1:0.5", "policy numbers"),
