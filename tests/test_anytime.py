@@ -181,5 +181,11 @@ def test_the_plan_of_the_default_re_test():
     assert plan["resolvable_guard_gain_beyond_margin"] == resolvable_difference(
         PLANNING_SPREADS["guard"], 3200, -0.05)
     assert plan["resolvable_guard_gain_beyond_margin"] < 0.05  # a neutral guard: shown at 0.8
+    # The look by which a gain is shown (0.8): the resolvable gain at 32, 64, 96 ... 256 prompts
+    # is 0.413, 0.233, 0.178, ... 0.103 at spread 0.36, so +0.30 needs 64 prompts (0.233 <= 0.30
+    # < 0.413), +0.20 needs 96 (0.178 <= 0.20 < 0.233) and +0.10 is past the maximum (0.103).
+    resolved = [resolvable_difference(0.36, n, 0.0) for n in (32, 64, 96, 256)]
+    assert resolved[0] > 0.3 >= resolved[1] > 0.2 >= resolved[2] and resolved[3] > 0.1
+    assert plan["eval_prompts_to_show_gain"] == {"+0.10": None, "+0.20": 96, "+0.30": 64}
     assert retest_plan(load_config("default", overrides=["guard.prompts=0"]))[
         "max_completions"] == 2 * 256 * 4

@@ -186,4 +186,24 @@ def plan(design: dict, eval_group_size: int, margins: dict, spreads: dict) -> di
                 spreads["pass_at_group"], design["eval_max"], margins["pass_at_group"]),
             "resolvable_guard_gain_beyond_margin": resolvable_difference(
                 spreads["guard"], design["guard_max"], margins["guard"])
-            if design["guard_max"] else None}
+            if design["guard_max"] else None,
+            "eval_prompts_to_show_gain": {
+                f"{gain:+.2f}": prompts_to_show(spreads["reward"], gain, margins["reward"],
+                                                design["eval_batch"], design["eval_max"])
+                for gain in PLANNED_GAINS}}
+
+
+PLANNED_GAINS = (0.1, 0.2, 0.3)  # the reward gains a plan sizes the re-test for
+
+
+def prompts_to_show(spread: float, gain: float, margin: float, batch: int,
+                    most: int) -> int | None:
+    """The eval prompts of the first look (a multiple of `batch`, at most `most`) by which a
+    true reward gain of `gain` is shown above `margin` with probability about 0.8; None when
+    even the maximum does not resolve it."""
+    for prompts in range(batch, most + batch, batch):
+        prompts = min(prompts, most)
+        resolved = resolvable_difference(spread, prompts, margin)
+        if resolved is not None and resolved <= gain - margin:
+            return prompts
+    return None
