@@ -25,28 +25,37 @@ def small_config(**changes) -> RunConfig:
 
 def test_the_expected_peak_adds_runtime_weights_adapter_training_and_re_test():
     # weights: per layer q 8x8, k and v 8x4 each, o 8x8 (192) + MLP 3 x 8x16 (384) = 576; two
-    # layers 1152 + tied embeddings 10x8 = 1232 parameters x 2 bytes x 3 copies = 7392.
+    # layers 1152 + tied embeddings 10x8 = 1232 parameters x 2 bytes x 4 copies = 9856.
     # LoRA r=2 on 7 maps of a layer: 2 x (16+12+12+16+24+24+24) = 256, two layers 512, x 16
     # bytes (weights, gradients, two AdamW moments, float32) = 8192.
     # KV per token 2 layers x 2 x 1 head x 4 x 2 bytes = 32; a logits row 10 x 4 x 2 = 80.
     # rollout: 2 prompts x 4 rows: (3 + 2 x (2 + 4x5)) x 32 + 8 x 80 = 2144;
-    # update: 1 valid group (2 x 0.5): 3 + 2 + 4 rows x 5 x 0.5 = 15 tokens x 2 layers x 12
-    #   bytes x (6x8 + 4x16 = 112 values) = 40320, the larger of the two;
+    # update: 1 valid group (2 x 0.5): 3 + 2 + 4 rows x 5 x 0.5 = 15 tokens x 2 layers x 2
+    #   bytes x (6x8 + 4x16 = 112 values) = 6720, and what the allocator keeps over 2 steps,
+    #   x (1 + 2 x 0.076) = 7741.44, the larger of the two;
     # re-test: 2 prompts x 2 rows, two policies: 2 x ((3 + 2 x (2 + 2x5)) x 32 + 4 x 80) = 2368.
     parts = budget.expected_peak(small_config(), DIMS, 2, PROMPT, runtime_bytes=1000,
                                  completion_fraction=0.5, valid_fraction=0.5)
-    assert parts == {"runtime": 1000, "weights": 7392, "adapter and optimizer": 8192,
-                     "update tensors": 40320, "re-test tensors": 2368, "total": 59272}
+    assert parts == {"runtime": 1000, "weights": 9856, "adapter and optimizer": 8192,
+                     "update tensors": 7741, "re-test tensors": 2368, "total": 29157}
 
 
 def test_the_rollout_is_the_training_stage_held_when_its_logits_are_larger():
-    # Vocabulary 1000: weights (1152 + 1000 x 8) x 2 x 3 = 54912; a logits row 8000 bytes.
-    # rollout: 1504 of KV + 8 rows x 8000 = 65504 > the update's 40320;
+    # Vocabulary 1000, weights held once (the reference engine): (1152 + 1000 x 8) x 2 = 18304;
+    # a logits row 8000 bytes. rollout: 1504 of KV + 8 rows x 8000 = 65504 > the update's 7741;
     # re-test: 2 x (864 + 4 x 8000) = 65728.
     parts = budget.expected_peak(small_config(), dict(DIMS, vocab=1000), 2, PROMPT,
+                                 runtime_bytes=0, completion_fraction=0.5, valid_fraction=0.5,
+                                 weight_copies=1)
+    assert parts == {"runtime": 0, "weights": 18304, "adapter and optimizer": 8192,
+                     "rollout tensors": 65504, "re-test tensors": 65728, "total": 157728}
+
+
+def test_what_the_allocator_keeps_stops_growing_after_its_steps():
+    # 100 steps count as 40: 6720 x (1 + 40 x 0.076) = 27148.8.
+    parts = budget.expected_peak(small_config(train_prompts=200), DIMS, 2, PROMPT,
                                  runtime_bytes=0, completion_fraction=0.5, valid_fraction=0.5)
-    assert parts == {"runtime": 0, "weights": 54912, "adapter and optimizer": 8192,
-                     "rollout tensors": 65504, "re-test tensors": 65728, "total": 194336}
+    assert parts["update tensors"] == 27148
 
 
 RATES = {"device": "cpu", "step_fixed": 0.5, "step_per_row": 0.01, "per_token": 0.001,

@@ -46,6 +46,17 @@ def test_the_dry_runs_time_forecast_is_within_twice_the_smoke_runs_wall_time(smo
     assert forecast["assumed"]["dtype"] in ("bfloat16", "float32")
 
 
+def test_the_dry_runs_expected_peak_is_near_the_smoke_runs_peak(smoke_run):
+    """The expected peak memory against the run's own peak RSS: within 25 % on the AMX class
+    (docs/measurements.md, "The dry run's forecast"); a factor of 1.5 here, for other classes."""
+    out, *_, timing = smoke_run
+    evidence = json.loads((out / "evidence.json").read_text())
+    expected = timing["dry_run"]["memory_estimate_gib"]["expected_peak"] * 2**30
+    measured = evidence["resources"]["peak_rss_bytes"]
+    print(f"expected peak {expected / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB")
+    assert 1 / 1.5 <= expected / measured <= 1.5, (expected, measured)
+
+
 def test_smoke_run_writes_consistent_evidence(smoke_run):
     out, stdout, *_ = smoke_run
     evidence = json.loads((out / "evidence.json").read_text())

@@ -27,12 +27,13 @@ GIB = budget.GIB
 IMPORTED_AFTER_SECONDS = forecast.process_start_seconds()
 
 
-def prompt_tokens(admission, tokenizer) -> dict:
-    """Mean prompt tokens of the train and eval sets: the prefix every prompt starts with (the
-    system prompt and chat template, computed once per batch) and the rest."""
+def prompt_tokens(admission, tokenizer, sample: int = 1024) -> dict:
+    """Mean prompt tokens of the train and eval sets (their first `sample` prompts each: the
+    dry run has checked every prompt's length already): the prefix every prompt starts with
+    (the system prompt and chat template, computed once per batch) and the rest."""
     config = admission.config
     encoded = [ids for problems in (admission.train, admission.eval) for ids in encode_prompts(
-        tokenizer, problems, config.resolved_system_prompt(), config.max_prompt_tokens)]
+        tokenizer, problems[:sample], config.resolved_system_prompt(), config.max_prompt_tokens)]
     if not encoded:
         return {"shared": 0.0, "own": 0.0}
     shared = shared_prefix_length(encoded)
@@ -78,12 +79,12 @@ def cost_figures(admission, source) -> dict:
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     engine = expected_engine(source.load_dir, device)
     # On CUDA the figure is the allocator's peak (what the memory gate reads there); the
-    # reference engine holds the weights once, the accelerator three times (budget).
+    # reference engine holds the weights once, the accelerator four times (budget).
     runtime = resident_bytes() if device.type == "cpu" else torch.cuda.memory_allocated(device)
     peak = budget.expected_peak(config, dims, dtype_bytes, prompt, runtime,
                                 forecast.PLANNING["completion_fraction"],
                                 forecast.PLANNING["valid_group_fraction"],
-                                weight_copies=3 if engine == "cpu" else 1)
+                                weight_copies=4 if engine == "cpu" else 1)
     bound = budget.memory_estimate(config, dims, dtype_bytes)["total"]
     decode_rows = min(256, max(config.prompts_per_step * config.group_size,
                                config.eval_batch_prompts * config.eval_group_size))

@@ -29,13 +29,13 @@ from grpogate.errors import InputError
 
 GIB = 1024**3
 ROW_BOOKKEEPING_BYTES_PER_TOKEN = 64  # token id lists, padded id / mask / log-prob copies
-# The update's resident bytes per activation value a block's forward computes (its inputs,
-# q/k/v, attention output, the MLP's gate, up and product: 6 x hidden + 4 x intermediate per
-# token and layer): the saved bfloat16 value, LoRA's float32 copy of each layer's input,
-# attention's scores over the packed row, and the allocator's hold on the freed blocks of
-# varying sizes. Fitted to the resident growth of the default and the smoke profile
-# (docs/measurements.md, "The dry run's forecast").
-UPDATE_BYTES_PER_ACTIVATION = 12
+# What the allocator keeps of the update's freed blocks as steps of other packed lengths come:
+# per step, this share of one update's activations, for the first CREEP_STEPS steps (the
+# default's resident memory creeps so until about step 40, then stays flat; fitted to the
+# default's, the smoke profile's and a held-out config's peaks: docs/measurements.md, "The dry
+# run's forecast").
+CREEP_PER_STEP = 0.076
+CREEP_STEPS = 40
 
 
 def model_dims(model_config: dict) -> dict[str, int]:
@@ -105,13 +105,15 @@ def kv_cache_bytes(config: RunConfig, dims: dict[str, int], dtype_bytes: int, pr
 
 def expected_peak(config: RunConfig, dims: dict[str, int], dtype_bytes: int, prompt: dict,
                   runtime_bytes: int, completion_fraction: float, valid_fraction: float,
-                  weight_copies: int = 3) -> dict[str, int]:
+                  weight_copies: int = 4) -> dict[str, int]:
     """The run's expected peak resident memory, by part: what this process already holds
     (`runtime_bytes`: the interpreter, torch, transformers), the weights as the run holds them
-    (`weight_copies`: the model's, and on the CPU accelerator the decoder's packed copy and the
-    baseline's copy that decodes in lockstep with the candidate in the re-test),
-    the adapter and its optimizer, the training stages' larger working set (the rollout's or
-    the update's; the allocator keeps it through the re-test) and the re-test's tensors on top.
+    (`weight_copies`: on the CPU accelerator three from loading on, as the default's resident
+    memory shows, and the baseline's copy that decodes in lockstep with the candidate in the
+    re-test),
+    the adapter and its optimizer, the training stages' larger working set (the rollout's, or
+    the update's activations and what the allocator keeps of them over the steps; it keeps it
+    through the re-test) and the re-test's tensors on top.
     `prompt`: mean prompt tokens {"shared", "own"}; the fractions are the planning figures of
     completion length and valid groups (inputs/forecast.PLANNING)."""
     weights = parameter_count(dims) * dtype_bytes
@@ -126,9 +128,13 @@ def expected_peak(config: RunConfig, dims: dict[str, int], dtype_bytes: int, pro
                  max(1, config.micro_batch_size // config.group_size))
     update_tokens = (prompt["shared"] + groups * prompt["own"]
                      + groups * config.group_size * config.max_new_tokens * completion_fraction)
+    # saved for the backward, per token and layer: the block's inputs, q/k/v, attention output,
+    # the MLP's gate, up and their product
+    activations = update_tokens * dims["layers"] * dtype_bytes * (
+        6 * dims["hidden"] + 4 * dims["intermediate"])
+    creep = CREEP_PER_STEP * min(config.steps, CREEP_STEPS)
     training = {"rollout": decode(config.prompts_per_step, config.group_size, 1),
-                "update": update_tokens * dims["layers"] * UPDATE_BYTES_PER_ACTIVATION
-                * (6 * dims["hidden"] + 4 * dims["intermediate"])}
+                "update": activations * (1 + creep)}
     largest = max(training, key=training.get)
     retest = max(decode(config.eval_batch_prompts, config.eval_group_size, 2),
                  decode(config.guard.prompts, config.guard.group_size, 1)
