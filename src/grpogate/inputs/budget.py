@@ -11,9 +11,10 @@ the shapes fix, each at its largest (the KV cache of the largest decode batch at
 max_prompt_tokens + max_new_tokens, float32 logits over the vocabulary for a whole micro-batch
 at full length, its activations), so it sits well above what a run holds (the default's 5.5
 GiB in bfloat16 against a measured peak of 2.9-3.1 GiB): it guards the machine against a
-setting that cannot fit, and is no forecast. `expected_peak` is the forecast the dry run states: what the run is expected
-to hold at its peak, at the prompts' measured lengths and the planning figures of completion
-length and valid groups (docs/design.md, "The dry run's figures").
+setting that cannot fit, and is no forecast. `expected_peak` is the forecast the dry run
+states: what the run is expected to hold at its peak, at the prompts' measured lengths and the
+planning figures of completion length and valid groups (docs/design.md, "The dry run's
+figures").
 """
 
 from __future__ import annotations
@@ -110,10 +111,9 @@ def expected_peak(config: RunConfig, dims: dict[str, int], dtype_bytes: int, pro
     (`runtime_bytes`: the interpreter, torch, transformers), the weights as the run holds them
     (`weight_copies`: on the CPU accelerator three from loading on, as the default's resident
     memory shows, and the baseline's copy that decodes in lockstep with the candidate in the
-    re-test),
-    the adapter and its optimizer, the training stages' larger working set (the rollout's, or
-    the update's activations and what the allocator keeps of them over the steps; it keeps it
-    through the re-test) and the re-test's tensors on top.
+    re-test), the adapter and its optimizer, the training stages' larger working set (the
+    rollout's, or the update's activations and what the allocator keeps of them over the
+    steps; it keeps it through the re-test) and the re-test's tensors on top.
     `prompt`: mean prompt tokens {"shared", "own"}; the fractions are the planning figures of
     completion length and valid groups (inputs/forecast.PLANNING)."""
     weights = parameter_count(dims) * dtype_bytes

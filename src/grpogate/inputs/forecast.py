@@ -205,6 +205,7 @@ def process_start_seconds() -> float:
 
 
 def hash_seconds_per_byte(size: int = 8 * 2**20) -> float:
+    """Seconds per byte of sha256 here, which the checkpoints hash (and write, at a like pace)."""
     block = os.urandom(1024) * (size // 1024)
     started = time.perf_counter()
     hashlib.sha256(block).digest()
@@ -252,6 +253,7 @@ def measure_rates(dims: dict[str, int], dtype, device, decode_rows: int, start: 
                 begun = time.perf_counter()
                 for inp, weight in layers:
                     linear(inputs[inp][:rows], weight, None)
+                sync()  # CUDA runs the products asynchronously: wait for them
                 layer_part = time.perf_counter() - begun
                 linear(inputs[h][:rows], head, None)
                 sync()
