@@ -100,7 +100,7 @@ def test_the_expected_forecast_thins_rows_and_skips_invalid_groups(monkeypatch):
     assert seconds["update"] == 0.1  # 0.06, rounded to a tenth
 
 
-def test_the_re_test_forecast_runs_to_its_maximum_without_resolving_a_planning_gain():
+def test_the_default_re_test_is_expected_to_stop_before_its_maximum():
     config = RunConfig()  # the default: 256 eval prompts in looks of 32, 16 guard rounds
     planned = forecast.expected_retest(config)
     assert planned["most"] == (256, 16)
