@@ -22,6 +22,7 @@ from typing import Collection
 
 import torch
 
+from grpogate import planning
 from grpogate.config import RunConfig
 from grpogate.errors import InputError
 from grpogate.evidence import stopping
@@ -153,18 +154,20 @@ def dry_run(config: RunConfig) -> dict:
     modules (on a weightless copy of the model), the memory estimate and the disk room."""
     admission = admit(config)
     base, estimate = "hub id (resolved at load time)", None
+    costs = {"memory_estimate_gib": None, "time_estimate": None}
     if admission.model_spec.count("/") != 1 or Path(admission.model_spec).exists():
         source = resolve_base_model(admission.model_spec, admission.model_revision,
                                     default_cache_dir(config))
         base = source.identity()
         estimate = dry_run_checks(admission, source)
+        costs = planning.cost_figures(admission, source)  # expected peak and wall time
     return {"run_dir": str(admission.run_dir), "model": base, "adapter": admission.adapter or None,
             "memory_estimate_bytes": estimate, "verifier": admission.verifier.version,
             "rewards": admission.reward_set.describe(), "train_prompts": len(admission.train),
             "eval_prompts": len(admission.eval), "guard_prompts": len(admission.guard),
             "steps": config.steps, "retest_plan": retest_plan(config),
             "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "libraries": library_versions()}
+            "libraries": library_versions(), **costs}
 
 
 def retest_plan(config: RunConfig) -> dict | None:

@@ -6,11 +6,15 @@ cannot fit (group_size=100000 asks one decode batch of 100,000 rows, whose float
 are 100,000 x 49,152 x 4 bytes = 19.7 GB) with the estimate in the message, instead of being
 killed by the kernel an hour later.
 
-The estimate is deliberately a floor, not a ceiling: it counts only the tensors whose size is
-known from the shapes (weights, KV cache, sampling logits, one micro-batch's logits and saved
-activations, the rollout's token bookkeeping), so a run it refuses cannot fit, and a run it
-admits may still need more (allocator slack, Python objects; the default run's peak against
-its estimate: docs/measurements.md, "Figures moved from code comments").
+Two figures of memory. `memory_estimate` is the refusal bound: it counts the tensors whose size
+the shapes fix, each at its largest (the KV cache of the largest decode batch at
+max_prompt_tokens + max_new_tokens, float32 logits over the vocabulary for a whole micro-batch
+at full length, its activations), so it sits well above what a run holds (the default's 5.5
+GiB in bfloat16 against a measured peak of 2.9-3.1 GiB): it guards the machine against a
+setting that cannot fit, and is no forecast. `expected_peak` is the forecast the dry run
+states: what the run is expected to hold at its peak, at the prompts' measured lengths and the
+planning figures of completion length and valid groups (docs/design.md, "The dry run's
+figures").
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ from grpogate.errors import InputError
 
 GIB = 1024**3
 ROW_BOOKKEEPING_BYTES_PER_TOKEN = 64  # token id lists, padded id / mask / log-prob copies
+# What the allocator keeps of the update's freed blocks as steps of other packed lengths come:
+# per step, this share of one update's activations, for the first CREEP_STEPS steps (the
+# default's resident memory creeps so until about step 40, then stays flat; fitted to the
+# default's, the smoke profile's and a held-out config's peaks: docs/measurements.md, "The dry
+# run's forecast").
+CREEP_PER_STEP = 0.076
+CREEP_STEPS = 40
 
 
 def model_dims(model_config: dict) -> dict[str, int]:
@@ -63,7 +74,7 @@ def decode_rows(config: RunConfig, prompts: int, group_size: int) -> int:
 
 
 def memory_estimate(config: RunConfig, dims: dict[str, int], dtype_bytes: int) -> dict[str, int]:
-    """Bytes by part (a floor, see the module docstring) and their total."""
+    """Bytes by part (the refusal bound, see the module docstring) and their total."""
     tokens = config.max_prompt_tokens + config.max_new_tokens
     rows = max(decode_rows(config, config.prompts_per_step, config.group_size),
                decode_rows(config, config.eval_prompts, config.eval_group_size))
@@ -80,6 +91,57 @@ def memory_estimate(config: RunConfig, dims: dict[str, int], dtype_bytes: int) -
         "rollout records": config.prompts_per_step * config.group_size * tokens
                            * ROW_BOOKKEEPING_BYTES_PER_TOKEN,
     }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def kv_cache_bytes(config: RunConfig, dims: dict[str, int], dtype_bytes: int, prompt: dict,
+                   prompts: int, group_size: int) -> float:
+    """A decode batch's keys and values: the shared prefix once, each prompt's own tokens once
+    (its group's rows read them, sampling/rollout), every row's completion to max_new_tokens."""
+    kv_per_token = dims["layers"] * 2 * dims["kv_heads"] * dims["head_dim"] * dtype_bytes
+    tokens = prompt["shared"] + prompts * (prompt["own"] + group_size * config.max_new_tokens)
+    return tokens * kv_per_token
+
+
+def expected_peak(config: RunConfig, dims: dict[str, int], dtype_bytes: int, prompt: dict,
+                  runtime_bytes: int, completion_fraction: float, valid_fraction: float,
+                  weight_copies: int = 4) -> dict[str, int]:
+    """The run's expected peak resident memory, by part: what this process already holds
+    (`runtime_bytes`: the interpreter, torch, transformers), the weights as the run holds them
+    (`weight_copies`: on the CPU accelerator three from loading on, as the default's resident
+    memory shows, and the baseline's copy that decodes in lockstep with the candidate in the
+    re-test), the adapter and its optimizer, the training stages' larger working set (the
+    rollout's, or the update's activations and what the allocator keeps of them over the
+    steps; it keeps it through the re-test) and the re-test's tensors on top.
+    `prompt`: mean prompt tokens {"shared", "own"}; the fractions are the planning figures of
+    completion length and valid groups (inputs/forecast.PLANNING)."""
+    weights = parameter_count(dims) * dtype_bytes
+    logits_row = dims["vocab"] * 4 * 2  # float32 logits and the sampler's probabilities
+
+    def decode(prompts: int, group_size: int, copies: int) -> float:
+        prompts = min(prompts, max(1, config.generation_batch_size // group_size))
+        return copies * (kv_cache_bytes(config, dims, dtype_bytes, prompt, prompts, group_size)
+                         + prompts * group_size * logits_row)
+
+    groups = min(config.prompts_per_step * valid_fraction,
+                 max(1, config.micro_batch_size // config.group_size))
+    update_tokens = (prompt["shared"] + groups * prompt["own"]
+                     + groups * config.group_size * config.max_new_tokens * completion_fraction)
+    # saved for the backward, per token and layer: the block's inputs, q/k/v, attention output,
+    # the MLP's gate, up and their product
+    activations = update_tokens * dims["layers"] * dtype_bytes * (
+        6 * dims["hidden"] + 4 * dims["intermediate"])
+    creep = CREEP_PER_STEP * min(config.steps, CREEP_STEPS)
+    training = {"rollout": decode(config.prompts_per_step, config.group_size, 1),
+                "update": activations * (1 + creep)}
+    largest = max(training, key=training.get)
+    retest = max(decode(config.eval_batch_prompts, config.eval_group_size, 2),
+                 decode(config.guard.prompts, config.guard.group_size, 1)
+                 if config.guard.enabled else 0)
+    parts = {"runtime": runtime_bytes, "weights": weight_copies * weights,
+             "adapter and optimizer": lora_parameter_count(config, dims) * 4 * 4,
+             f"{largest} tensors": int(training[largest]), "re-test tensors": int(retest)}
     parts["total"] = sum(parts.values())
     return parts
 
