@@ -8,7 +8,8 @@ import torch
 
 from grpogate.config import RunConfig
 from grpogate.config.schema import GuardConfig
-from grpogate.inputs import budget, forecast
+from grpogate import forecast
+from grpogate.inputs import budget
 
 # 2 layers, hidden 8, 2 heads of 4 (1 KV head), MLP 16, vocabulary 10, tied embeddings.
 DIMS = {"hidden": 8, "layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 4, "intermediate": 16,

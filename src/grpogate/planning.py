@@ -1,10 +1,10 @@
 """The dry run's cost figures: the run's expected peak memory and wall time on this machine.
 
 `cost_figures` reads what the dry run has already resolved (the model's config.json and
-tokenizer, the admitted prompts), measures this machine (inputs/forecast.measure_rates, about
+tokenizer, the admitted prompts), measures this machine (forecast.measure_rates, about
 a second) and states, beside the refusal bound `check_fits` applies, the memory the run is
 expected to peak at (inputs/budget.expected_peak) and the seconds it is expected to take, with
-an upper figure (inputs/forecast.forecast_time). docs/design.md ("The dry run's figures") says
+an upper figure (forecast.forecast_time). docs/design.md ("The dry run's figures") says
 what each figure is.
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from grpogate.engines.rows import shared_prefix_length
-from grpogate.inputs import budget, forecast
+from grpogate import forecast
+from grpogate.inputs import budget
 from grpogate.inputs.policy import resolve_device, resolve_dtype
 from grpogate.sampling.rollout import encode_prompts
 
@@ -57,13 +58,13 @@ def expected_engine(load_dir: str, device: torch.device) -> str:
         return "reference"
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from grpogate.engines.cpu.capability import describe
+    from grpogate.engines import structure_declines
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(load_dir, trust_remote_code=False), trust_remote_code=False)
-    found = describe(model)
-    return f"reference (cpu accelerator: {found})" if isinstance(found, str) else "cpu"
+    declined = structure_declines(model)
+    return f"reference (cpu accelerator: {declined})" if declined else "cpu"
 
 
 def cost_figures(admission, source) -> dict:

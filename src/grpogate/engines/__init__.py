@@ -33,11 +33,13 @@ import torch
 
 from grpogate.engines.adapters import adapters_disabled
 from grpogate.engines.cpu import CpuEngine, accepts
+from grpogate.engines.cpu.capability import describe
 from grpogate.engines.cpu.native import NativeKernels, kernels_identity, native_kernels
+from grpogate.engines.cpu.weights import can_prepack, linear, prepack
 from grpogate.engines.reference import ReferenceEngine
 
 __all__ = ["Engine", "Scorer", "Stepper", "adapters_disabled", "engine_for", "kernels_identity",
-           "row_kernels"]
+           "row_kernels", "structure_declines", "product", "product_weights"]
 
 
 class Stepper(Protocol):
@@ -104,6 +106,26 @@ def engine_for(model) -> Engine:
 @lru_cache(maxsize=16)
 def _say(declined: str) -> None:
     print(f"grpogate: engine: reference ({declined})", file=sys.stderr)
+
+
+def structure_declines(model) -> str:
+    """Why the CPU accelerator's check of `model`'s structure and settings declines it ("" where
+    it accepts): what a weightless copy can tell before load (the probe of its mathematics
+    needs the weights). The dry run's forecast names the engine from it."""
+    found = describe(model)
+    return found if isinstance(found, str) else ""
+
+
+def product_weights(weight: torch.Tensor):
+    """`weight` [out, in] in the layout the decoder's products read (prepacked where the
+    kernels take a packed form), for `product`."""
+    return prepack(weight) if can_prepack(weight) else weight
+
+
+def product(rows: torch.Tensor, weights) -> torch.Tensor:
+    """rows @ weights.T through the decoder's own matrix-product kernel: what the dry run's
+    forecast times on this machine."""
+    return linear(rows, weights, None)
 
 
 def row_kernels(dtype: torch.dtype, device) -> NativeKernels | None:

@@ -115,7 +115,7 @@ def expected_peak(config: RunConfig, dims: dict[str, int], dtype_bytes: int, pro
     rollout's, or the update's activations and what the allocator keeps of them over the
     steps; it keeps it through the re-test) and the re-test's tensors on top.
     `prompt`: mean prompt tokens {"shared", "own"}; the fractions are the planning figures of
-    completion length and valid groups (inputs/forecast.PLANNING)."""
+    completion length and valid groups (forecast.PLANNING)."""
     weights = parameter_count(dims) * dtype_bytes
     logits_row = dims["vocab"] * 4 * 2  # float32 logits and the sampler's probabilities
 

@@ -225,7 +225,7 @@ def measure_rates(dims: dict[str, int], dtype, device, decode_rows: int, start: 
     start and import what a run imports (`process_start_seconds` when it had)."""
     import torch
 
-    from grpogate.engines.cpu.weights import can_prepack, linear, prepack
+    from grpogate.engines import product, product_weights
 
     measuring_since = time.perf_counter()
     h, hd, inter = dims["hidden"], dims["head_dim"], dims["intermediate"]
@@ -241,8 +241,7 @@ def measure_rates(dims: dict[str, int], dtype, device, decode_rows: int, start: 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     cast_per_byte = (time.perf_counter() - started) / (built * layer_bytes + head.nbytes)
-    if can_prepack(head):
-        layers, head = [(inp, prepack(w)) for inp, w in layers], prepack(head)
+    layers, head = [(inp, product_weights(w)) for inp, w in layers], product_weights(head)
     inputs = {inp: torch.full((max(decode_rows, token_rows, 8), inp), 0.01, dtype=dtype,
                               device=device) for inp in {h, inter, dims["heads"] * hd}}
 
@@ -252,10 +251,10 @@ def measure_rates(dims: dict[str, int], dtype, device, decode_rows: int, start: 
             for round_index in range(3):  # round 0 warms the kernels
                 begun = time.perf_counter()
                 for inp, weight in layers:
-                    linear(inputs[inp][:rows], weight, None)
+                    product(inputs[inp][:rows], weight)
                 sync()  # CUDA runs the products asynchronously: wait for them
                 layer_part = time.perf_counter() - begun
-                linear(inputs[h][:rows], head, None)
+                product(inputs[h][:rows], head)
                 sync()
                 total = time.perf_counter() - begun
                 if round_index:
