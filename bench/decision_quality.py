@@ -3,7 +3,7 @@
     python bench/decision_quality.py --work-dir DIR [--candidate ADAPTER_DIR ...]
         [--exclude-run RUN_DIR] [--eval-pool 1024] [--eval-samples 8] [--guard-pool 100]
         [--guard-samples 64] [--draws 2000] [--seed 0] [--pools-only]
-        [--mixtures 0.2,0.4,1:2:null,1:2:guard]
+        [--mixtures 0.2,0.4,1:2:null,1:2:guard] [--set KEY=VALUE ...]
     python bench/decision_quality.py --work-dir DIR --quick
     python bench/decision_quality.py --work-dir DIR --real-retests 20 [--perturbed 0.02]
         [--candidate ADAPTER_DIR ...] [--exclude-run RUN_DIR]
@@ -109,9 +109,9 @@ def tiny_model(directory: Path) -> Path:
     return directory
 
 
-def study_config(quick: bool, work_dir: Path, model: str | None):
-    """The default profile's config (its re-test design and gates); --quick: tiny sizes on the
-    tiny model."""
+def study_config(quick: bool, work_dir: Path, model: str | None, overrides: tuple = ()):
+    """The default profile's config (its re-test design and gates) with `overrides` (--set:
+    another design, e.g. eval_prompts=384); --quick: tiny sizes on the tiny model."""
     from grpogate.config import load_config
 
     if quick:
@@ -119,8 +119,8 @@ def study_config(quick: bool, work_dir: Path, model: str | None):
 
         torch.set_num_threads(1)  # the tiny model's kernels gain nothing from threads
         model = model or str(tiny_model(work_dir / "tiny-model"))
-        return load_config("default", overrides=QUICK_OVERRIDES, model=model)
-    return load_config("default", model=model)
+        return load_config("default", overrides=QUICK_OVERRIDES + list(overrides), model=model)
+    return load_config("default", overrides=list(overrides), model=model)
 
 
 def null_candidate(config, directory: Path) -> Path:
@@ -275,11 +275,11 @@ def resolved_sizes(config, sizes: dict) -> dict:
 
 def study(work_dir: Path, candidates: list[str], sizes: dict, seed: int, quick: bool,
           exclude_run: str | None, model: str | None, pools_only: bool = False,
-          mixtures: tuple[str, ...] = ()) -> dict:
+          mixtures: tuple[str, ...] = (), overrides: tuple[str, ...] = ()) -> dict:
     """Every policy's pool, then `draws` resampled re-tests of each candidate (none with
     `pools_only`: the pools and their generation rate alone). --quick's first candidate is the
     perturbed adapter, and its mixtures QUICK_MIXTURES when none are given."""
-    config = study_config(quick, work_dir, model)
+    config = study_config(quick, work_dir, model, overrides)
     sizes = resolved_sizes(config, sizes)
     design = pool_design(config, sizes, exclude_run)
     null_dir = null_candidate(config, work_dir / "null-candidate")
@@ -364,6 +364,9 @@ def main(argv: list[str] | None = None) -> None:
                              "baseline, k the k-th --candidate), A:B:null (the weak null: "
                              "the share whose true reward gain is 0 +- 0.005) or A:B:guard "
                              "(the share whose true guard gain is -maximum_guard_reward_loss)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="a re-test design or gate other than the "
+                        "default's (the pools do not depend on it), e.g. eval_prompts=384")
     parser.add_argument("--perturbed", type=float, default=0.0, metavar="SCALE",
                         help="add the null adapter with random B of this scale as a candidate")
     for key in FULL:
@@ -392,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = study(args.work_dir, args.candidate, sizes, args.seed, args.quick,
                        args.exclude_run, args.baseline, args.pools_only,
-                       tuple(mixtures))
+                       tuple(mixtures), tuple(args.overrides))
     except InputError as error:  # bad input: one error line, exit 2, no results written
         print(f"error: {visible(error)}", file=sys.stderr)
         raise SystemExit(2) from None

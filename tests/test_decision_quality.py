@@ -242,6 +242,13 @@ def test_quick_runs_end_to_end_and_reuses_its_pools(tiny_model_dir, tmp_path, ca
     decision_quality.main(arguments)  # the pools are read back, not generated again
     assert "generating" not in capsys.readouterr().out
     assert sorted((work / "pools").iterdir()) == pools
+    # Another design on the same pools (--set): at most 4 eval prompts, so a re-test uses at
+    # most 2 x (4 x 2 + 18) = 52 completions.
+    decision_quality.main(arguments + ["--set", "eval_prompts=4"])
+    assert "generating" not in capsys.readouterr().out
+    result = json.loads((work / "decision_quality.json").read_text())
+    assert result["design"]["eval_prompts"] == 4
+    assert all(20 <= row["mean_used"]["completions"] <= 52 for row in result["results"])
 
 
 def test_a_whole_draw_judges_the_re_test_exactly_as_it_was_sampled():
