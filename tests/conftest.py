@@ -8,6 +8,9 @@ and seeded, so every test that loads them sees the same model in well under a se
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,6 +67,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
     assert AutoTokenizer.from_pretrained(directory).eos_token_id == 2
     return directory
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> tuple[Path, str, str]:
+    """`grpogate run --profile smoke` on the real bundled SmolLM2 at two threads, run once a
+    session: test_smoke checks its files and output, test_thread_invariance repeats it under
+    MALLOC_PERTURB_. The threads are fixed because that repeat compares bytes at one thread count.
+    Returns (run directory, stdout, stderr); readers copy it before changing anything."""
+    out = tmp_path_factory.mktemp("smoke") / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "grpogate.cli", "run", "--profile", "smoke", "--out", str(out)],
+        env=dict(os.environ, OMP_NUM_THREADS="2"), capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result.stdout, result.stderr
 
 
 def _toml_value(value) -> str:

@@ -1,8 +1,9 @@
 """End to end on the real bundled SmolLM2-135M-Instruct: `grpogate run --profile smoke`.
 
-This is the one test that runs the real model (about a minute on 2 CPU cores; the first call
-also dequantizes the GGUF into the cache). It checks what the issue's "done when" asks: exit 0,
-and evidence, manifest, trajectories and adapter files that agree with each other.
+The run is conftest's session-wide `smoke_run` (about 20 s on 2 CPU cores; the first call also
+dequantizes the GGUF into the cache), shared with test_thread_invariance. It checks what the
+issue's "done when" asks: exit 0, and evidence, manifest, trajectories and adapter files that
+agree with each other.
 """
 
 import json
@@ -13,16 +14,6 @@ import pytest
 from helpers import sha256
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smoke") / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "grpogate.cli", "run", "--profile", "smoke", "--out", str(out)],
-        capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out, result.stdout, result.stderr
 
 
 def test_smoke_run_writes_consistent_evidence(smoke_run):
