@@ -107,3 +107,36 @@ def tiny_config(tiny_model_dir):
                            out=out if out is not None else str(Path(tmp_path) / "run"))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def alternating_run(tiny_config, tmp_path_factory):
+    """One tiny run trained on the alternating reward (every group valid, every step updates;
+    helpers.alternating_rewards), with tensorboard on, under umask 022: test_pipeline,
+    test_delivery, test_trl_gate and test_trl_isolation read it. Returns (config, run
+    directory, evidence as returned); a test that changes the run copies it first."""
+    from grpogate import pipeline
+    from grpogate.training import loop as training
+    from helpers import alternating_rewards
+
+    root = tmp_path_factory.mktemp("alternating")
+    config = tiny_config(root, tensorboard=str(root / "tensorboard"))
+    previous = os.umask(0o022)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(training, "score_completions", alternating_rewards)
+            evidence = pipeline.run(config)
+    finally:
+        os.umask(previous)
+    return config, Path(evidence["run_dir"]), evidence
+
+
+@pytest.fixture(scope="session")
+def honest_run(tiny_config, tmp_path_factory) -> dict:
+    """One tiny run of 2 train and 2 eval prompts scored by the real verifier end to end: the
+    random model earns no reward, so nothing updates. test_pipeline and test_delivery read it;
+    returns the evidence as returned (its run_dir names the directory)."""
+    from grpogate import pipeline
+
+    root = tmp_path_factory.mktemp("honest")
+    return pipeline.run(tiny_config(root, train_prompts=2, eval_prompts=2))
