@@ -8,6 +8,11 @@ and seeded, so every test that loads them sees the same model in well under a se
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +71,27 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> tuple[Path, str, str, dict]:
+    """`grpogate run --profile smoke` on the real bundled SmolLM2 at two threads, run once a
+    session: test_smoke checks its files, output and the dry run's forecast of it,
+    test_thread_invariance repeats it under MALLOC_PERTURB_. The threads are fixed because that
+    repeat compares bytes at one thread count. Returns (run directory, stdout, stderr,
+    {"wall": the run's seconds, "dry_run": the same command's --dry-run --json, made first on
+    the same machine}); readers copy the directory before changing anything."""
+    out = tmp_path_factory.mktemp("smoke") / "run"
+    command = [sys.executable, "-m", "grpogate.cli", "run", "--profile", "smoke", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    dry = subprocess.run(command + ["--dry-run", "--json"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert dry.returncode == 0, dry.stdout[-3000:] + dry.stderr[-3000:]
+    started = time.perf_counter()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    wall = time.perf_counter() - started
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result.stdout, result.stderr, {"wall": wall, "dry_run": json.loads(dry.stdout)}
+
+
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -90,3 +116,36 @@ def tiny_config(tiny_model_dir):
                            out=out if out is not None else str(Path(tmp_path) / "run"))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def alternating_run(tiny_config, tmp_path_factory):
+    """One tiny run trained on the alternating reward (every group valid, every step updates;
+    helpers.alternating_rewards), with tensorboard on, under umask 022: test_pipeline,
+    test_delivery, test_trl_gate and test_trl_isolation read it. Returns (config, run
+    directory, evidence as returned); a test that changes the run copies it first."""
+    from grpogate import pipeline
+    from grpogate.training import loop as training
+    from helpers import alternating_rewards
+
+    root = tmp_path_factory.mktemp("alternating")
+    config = tiny_config(root, tensorboard=str(root / "tensorboard"))
+    previous = os.umask(0o022)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(training, "score_completions", alternating_rewards)
+            evidence = pipeline.run(config)
+    finally:
+        os.umask(previous)
+    return config, Path(evidence["run_dir"]), evidence
+
+
+@pytest.fixture(scope="session")
+def honest_run(tiny_config, tmp_path_factory) -> dict:
+    """One tiny run of 2 train and 2 eval prompts scored by the real verifier end to end: the
+    random model earns no reward, so nothing updates. test_pipeline and test_delivery read it;
+    returns the evidence as returned (its run_dir names the directory)."""
+    from grpogate import pipeline
+
+    root = tmp_path_factory.mktemp("honest")
+    return pipeline.run(tiny_config(root, train_prompts=2, eval_prompts=2))

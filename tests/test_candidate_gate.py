@@ -6,8 +6,10 @@ adapter saved by `PeftModel.save_pretrained`, the same adapter merged into a ful
 gated end to end through the CLI and re-checked by `decide` (and `--replay`). Bad candidates
 (pickle weights only, another architecture, shape or dtype, neither config file, both --from-trl
 and --candidate, a shard outside the folder, a file past a checkpoint file's bound) are refused with
-one `error:` line, exit 2, nothing written, in a fresh interpreter under a memory cap and a
-timeout. Expected identities are computed here by hand from the files' bytes.
+one `error:` line, exit 2, nothing written: those whose files could cost memory or run code in a
+fresh interpreter under a memory cap and a timeout, the small and merely wrong ones (another
+architecture, shape or dtype; both doors) in this process. Expected identities are computed
+here by hand from the files' bytes.
 """
 
 from __future__ import annotations
@@ -230,6 +232,21 @@ def refused(candidate, tiny_model_dir, out: Path, *extra) -> str:
     return line
 
 
+def refused_here(candidate, tiny_model_dir, out: Path, *extra) -> str:
+    """`refused` in this process, for candidates that are small and merely wrong (another
+    architecture, shape or dtype; a usage error): nothing in them needs a memory cap, and a
+    fresh interpreter spends about 5 s on imports and the baseline's load per case. The same
+    checks: exit 2, no traceback, nothing on stdout, one `error:` line, nothing written."""
+    result = gate(candidate, tiny_model_dir, out, *extra)
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        repr(result.exception), result.output)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and result.stdout.strip() == "", result.output
+    assert not out.exists()
+    return lines[0]
+
+
 def checkpoint_copy(made: Path, tmp_path: Path, name: str) -> Path:
     return Path(shutil.copytree(made / "full", tmp_path / name))
 
@@ -251,11 +268,12 @@ def test_pickle_weights_and_a_folder_without_a_config_are_refused(made, tiny_mod
 
 
 def test_both_doors_at_once_are_refused(made, tiny_model_dir, tmp_path):
-    line = refused(made / "adapter", tiny_model_dir, tmp_path / "out", "--from-trl",
-                   made / "adapter", "--num-generations", 4)
+    line = refused_here(made / "adapter", tiny_model_dir, tmp_path / "out", "--from-trl",
+                        made / "adapter", "--num-generations", 4)
     assert line.startswith("error: gate: give exactly one of --from-trl DIR")
     # A TRL log's settings with no TRL log: refused, not ignored.
-    line = refused(made / "adapter", tiny_model_dir, tmp_path / "out", "--num-generations", 4)
+    line = refused_here(made / "adapter", tiny_model_dir, tmp_path / "out", "--num-generations",
+                        4)
     assert line == ("error: gate: --trl-args and --num-generations describe a TRL run's log; "
                     "--candidate reads no log (use --from-trl for a TRL output directory)")
 
@@ -284,32 +302,32 @@ def test_a_checkpoint_of_another_architecture_shape_or_dtype_is_refused(made, ti
     other = checkpoint_copy(made, tmp_path, "layers")  # another config: one layer, not two
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 1}))
-    assert refused(other, tiny_model_dir, tmp_path / "out") == (
+    assert refused_here(other, tiny_model_dir, tmp_path / "out") == (
         f'error: {other}/config.json: field "num_hidden_layers" is 1, the baseline\'s is 2; '
         "the re-test runs the baseline's architecture, so the checkpoint must be of it")
     qwen = checkpoint_copy(made, tmp_path, "qwen")
     (qwen / "config.json").write_text(json.dumps(config | {"model_type": "qwen2"}))
-    assert f'{qwen}/config.json: field "model_type" is \'qwen2\'' in refused(
+    assert f'{qwen}/config.json: field "model_type" is \'qwen2\'' in refused_here(
         qwen, tiny_model_dir, tmp_path / "out")
     shaped = checkpoint_copy(made, tmp_path, "shape")  # one tensor cut short, config as is
     tensors = load_file(shaped / "model.safetensors")
     name = "model.layers.1.mlp.down_proj.weight"
     tensors[name] = tensors[name][:, :100].contiguous()
     save_file(tensors, shaped / "model.safetensors", metadata={"format": "pt"})
-    assert refused(shaped, tiny_model_dir, tmp_path / "out") == (
+    assert refused_here(shaped, tiny_model_dir, tmp_path / "out") == (
         f"error: {shaped}/model.safetensors: tensor '{name}' is float32 [64, 100], the "
         "baseline's is float32 [64, 128]")
     extra = checkpoint_copy(made, tmp_path, "extra")  # a tensor the architecture has not
     tensors = load_file(extra / "model.safetensors")
     save_file(tensors | {"model.layers.2.mlp.down_proj.weight": tensors[name].clone()},
               extra / "model.safetensors", metadata={"format": "pt"})
-    assert refused(extra, tiny_model_dir, tmp_path / "out") == (
+    assert refused_here(extra, tiny_model_dir, tmp_path / "out") == (
         f"error: {extra}/model.safetensors: tensor 'model.layers.2.mlp.down_proj.weight' is "
         "not one of the baseline's (1 such); another architecture?")
     half = checkpoint_copy(made, tmp_path, "bf16")  # another dtype: the baseline loads float32
     save_file({k: v.bfloat16() for k, v in load_file(half / "model.safetensors").items()},
               half / "model.safetensors", metadata={"format": "pt"})
-    assert refused(half, tiny_model_dir, tmp_path / "out") == (
+    assert refused_here(half, tiny_model_dir, tmp_path / "out") == (
         f"error: {half}/model.safetensors: tensor 'model.embed_tokens.weight' is bfloat16 "
         "[49152, 64], the baseline's is float32 [49152, 64] (load the baseline with --dtype "
         "bfloat16)")

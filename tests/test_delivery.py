@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import alternating_rewards
 
 from grpogate import pipeline
 from grpogate.config import BUNDLED_MODEL, RunConfig
@@ -17,7 +16,6 @@ from grpogate.files import atomic_write_bytes, atomic_write_json, read_jsonl
 from grpogate.inputs.policy import (BUNDLED_PUBLIC_ID, adapter_state, default_cache_dir,
                                     load_policy, resolve_base_model)
 from grpogate.inputs.tasks import prompt_id
-from grpogate.training import loop as training
 
 
 @pytest.mark.parametrize("umask, expected", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
@@ -35,16 +33,9 @@ def test_atomic_writes_honour_the_umask(tmp_path, umask, expected):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tiny_config, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("delivery")
-    previous = os.umask(0o022)
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(training, "score_completions", alternating_rewards)
-            evidence = pipeline.run(tiny_config(root))
-    finally:
-        os.umask(previous)
-    return Path(evidence["run_dir"])
+def run_dir(alternating_run) -> Path:
+    """conftest's run on the alternating reward, written under umask 022."""
+    return alternating_run[1]
 
 
 def test_every_run_file_has_the_same_umask_mode(run_dir):
@@ -134,10 +125,9 @@ def _audit_in_a_fresh_interpreter(run_dir: Path, cwd: Path, prelude: str) -> dic
 
 
 @pytest.fixture(scope="module")
-def honest_run_dir(tiny_config, tmp_path_factory) -> Path:
+def honest_run_dir(honest_run) -> Path:
     """A run scored by the real verifier end to end (so every reward re-scores equal)."""
-    root = tmp_path_factory.mktemp("honest")
-    return Path(pipeline.run(tiny_config(root, train_prompts=2, eval_prompts=2))["run_dir"])
+    return Path(honest_run["run_dir"])
 
 
 def test_a_copied_run_decides_with_the_task_generator_disabled(honest_run_dir, tmp_path):

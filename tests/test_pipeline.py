@@ -15,11 +15,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import alternating_rewards, sha256
+from helpers import sha256
 
 from grpogate.evidence import decisions
 from grpogate import admission, pipeline
-from grpogate.training import loop as training
 from grpogate.config import load_config
 from grpogate.errors import InputError
 from grpogate.files import read_jsonl
@@ -37,14 +36,10 @@ def file_states(directory: Path) -> dict[str, tuple[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def finished(tiny_config, tmp_path_factory):
-    """One run with a reward signal; returns (config, run_dir, evidence as returned)."""
-    root = tmp_path_factory.mktemp("pipeline")
-    config = tiny_config(root, tensorboard=str(root / "tensorboard"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(training, "score_completions", alternating_rewards)
-        evidence = pipeline.run(config)
-    return config, Path(evidence["run_dir"]), evidence
+def finished(alternating_run):
+    """One run with a reward signal (conftest's, shared across modules); returns (config,
+    run_dir, evidence as returned)."""
+    return alternating_run
 
 
 def load_evidence(run_dir: Path) -> dict:
@@ -170,8 +165,8 @@ def test_second_run_into_the_same_out_is_refused(finished, tiny_config):
     assert file_states(run_dir) == before
 
 
-def test_run_without_reward_signal_is_rejected(tiny_config, tmp_path):
-    evidence = pipeline.run(tiny_config(tmp_path, train_prompts=2, eval_prompts=2))
+def test_run_without_reward_signal_is_rejected(honest_run):
+    evidence = honest_run  # conftest's run of 2 + 2 prompts with the real verifier
     assert evidence["status"] == "no_effective_update"
     assert evidence["update"]["update_count"] == 0
     assert evidence["decision"]["decision"] == "reject"

@@ -1,8 +1,9 @@
 """End to end on the real bundled SmolLM2-135M-Instruct: `grpogate run --profile smoke`.
 
-This is the one test that runs the real model (about a minute on 2 CPU cores; the first call
-also dequantizes the GGUF into the cache). It checks what the issue's "done when" asks: exit 0,
-and evidence, manifest, trajectories and adapter files that agree with each other.
+The run is conftest's session-wide `smoke_run` (about 20 s on 2 CPU cores; the first call also
+dequantizes the GGUF into the cache), shared with test_thread_invariance. It checks what the
+issue's "done when" asks: exit 0, and evidence, manifest, trajectories and adapter files that
+agree with each other.
 """
 
 import json
@@ -14,22 +15,6 @@ import pytest
 from helpers import sha256
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    """The run, its output, and its wall seconds beside the dry run's forecast of them (the dry
-    run first, on the same config and machine)."""
-    out = tmp_path_factory.mktemp("smoke") / "run"
-    command = [sys.executable, "-m", "grpogate.cli", "run", "--profile", "smoke", "--out", str(out)]
-    dry = subprocess.run(command + ["--dry-run", "--json"], capture_output=True, text=True,
-                         timeout=300)
-    assert dry.returncode == 0, dry.stdout[-3000:] + dry.stderr[-3000:]
-    started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    wall = time.perf_counter() - started
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out, result.stdout, result.stderr, {"wall": wall, "dry_run": json.loads(dry.stdout)}
 
 
 def test_the_dry_runs_time_forecast_is_within_twice_the_smoke_runs_wall_time(smoke_run):

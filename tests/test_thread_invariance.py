@@ -43,18 +43,18 @@ def test_one_and_two_processes_at_one_thread_each_train_the_same_adapter(tmp_pat
     assert decisions[0] == decisions[1]
 
 
-def test_two_runs_of_one_seed_at_two_threads_repeat_whatever_memory_held(tmp_path):
+def test_two_runs_of_one_seed_at_two_threads_repeat_whatever_memory_held(smoke_run, tmp_path):
     """At a fixed thread count a run repeats. The second run has glibc fill every fresh heap
     allocation with a non-zero byte (MALLOC_PERTURB_), so a buffer the decoder read without
     writing would change its tokens: the native step's own caches, left as torch.empty, made
-    a process's first decode differ in 3 of 9 processes (docs/measurements.md)."""
-    plain, perturbed = tmp_path / "plain" / "run", tmp_path / "perturbed" / "run"
-    for out, extra_env in ((plain, {}), (perturbed, {"MALLOC_PERTURB_": "165"})):
-        env = dict(os.environ, OMP_NUM_THREADS="2", **extra_env)
-        result = subprocess.run([sys.executable, "-m", "grpogate.cli", "run", "--profile",
-                                 "smoke", "--out", str(out)], env=env, capture_output=True,
-                                text=True, timeout=1200)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    a process's first decode differ in 3 of 9 processes (docs/measurements.md). The plain run
+    is conftest's `smoke_run` (two threads, the same command)."""
+    plain, perturbed = smoke_run[0], tmp_path / "perturbed" / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="2", MALLOC_PERTURB_="165")
+    result = subprocess.run([sys.executable, "-m", "grpogate.cli", "run", "--profile", "smoke",
+                             "--out", str(perturbed)], env=env, capture_output=True, text=True,
+                            timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (perturbed / "trajectories.jsonl").read_bytes() == (
         plain / "trajectories.jsonl").read_bytes()
     weights = "adapter/adapter_model.safetensors"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_SIZES
-from helpers import alternating_rewards, key_pair, sha256
+from helpers import key_pair, sha256
 from trl_style_rewards import parity_reward  # the same function grpogate runs (test_api.py)
 from typer.testing import CliRunner
 
@@ -209,16 +209,12 @@ def foreign_log(evidence: dict) -> dict:
                 + evidence["update"]["update_seconds"]}]}
 
 
-def test_a_grpogate_adapter_gated_as_foreign_retests_as_eval_and_compare(tiny_config, tmp_path,
-                                                                         monkeypatch):
-    from grpogate import pipeline
+def test_a_grpogate_adapter_gated_as_foreign_retests_as_eval_and_compare(alternating_run,
+                                                                         tiny_config, tmp_path):
     from grpogate.review.standalone_eval import compare_evaluations, evaluate_standalone
     from grpogate.trl_gate import GateRequest, gate as gate_run
-    from grpogate.training import loop
 
-    monkeypatch.setattr(loop, "score_completions", alternating_rewards)
-    ran = pipeline.run(tiny_config(tmp_path / "a"))
-    monkeypatch.undo()
+    ran = alternating_run[2]  # conftest's run on the alternating reward
     assert ran["update"]["update_count"] > 0
     foreign = tmp_path / "foreign"
     foreign.mkdir()

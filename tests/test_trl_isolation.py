@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import alternating_rewards
 from test_trl_gate import GROUP_SIZE, foreign_log, tiny_sets
 
 from grpogate.errors import InputError
@@ -138,23 +137,14 @@ def test_containment_is_one_find_per_eval_prompt_over_one_haystack():
 # --- the CLI on a foreign directory: three forged files refused, the clean one gated ----------
 
 @pytest.fixture(scope="module")
-def foreign(tiny_config, tmp_path_factory):
+def foreign(alternating_run, tmp_path_factory):
     """A TRL-style output directory (a real adapter of the tiny model and its log), the clean
     TRL training file (system + user messages over the config's train split), the eval set and
     the tiny model's tokenizer."""
     from transformers import AutoTokenizer
 
-    from grpogate import pipeline
-    from grpogate.training import loop
-
     root = tmp_path_factory.mktemp("foreign")
-    config = tiny_config(root / "a")
-    original = loop.score_completions
-    loop.score_completions = alternating_rewards
-    try:
-        ran = pipeline.run(config)
-    finally:
-        loop.score_completions = original
+    config, _, ran = alternating_run  # conftest's run on the alternating reward
     directory = root / "out"
     directory.mkdir()
     for name in ("adapter_config.json", "adapter_model.safetensors"):
