@@ -33,11 +33,12 @@ import torch
 
 from grpogate.engines.adapters import adapters_disabled
 from grpogate.engines.cpu import CpuEngine, accepts
+from grpogate.engines.cpu.capability import describe
 from grpogate.engines.cpu.native import NativeKernels, kernels_identity, native_kernels
 from grpogate.engines.reference import ReferenceEngine
 
-__all__ = ["Engine", "Scorer", "Stepper", "adapters_disabled", "engine_for", "kernels_identity",
-           "row_kernels"]
+__all__ = ["Engine", "Scorer", "Stepper", "adapters_disabled", "engine_for", "expected_engine",
+           "kernels_identity", "row_kernels"]
 
 
 class Stepper(Protocol):
@@ -99,6 +100,17 @@ def engine_for(model) -> Engine:
         return CpuEngine(found)
     _say(f"cpu accelerator: {found}")
     return ReferenceEngine(f"cpu accelerator: {found}")
+
+
+def expected_engine(model) -> dict:
+    """The engine `engine_for` will pick, read from a weightless (meta-device) copy of the
+    model before any weight loads: its structure and settings decide here; the probe of its
+    mathematics (cpu/probe.py) needs the loaded weights and can still decline at load."""
+    found = describe(model)
+    if isinstance(found, str):
+        return {"name": ReferenceEngine.name, "declined": f"cpu accelerator: {found}"}
+    return {"name": CpuEngine.name, "declined": "",
+            "note": "from the model's structure; the probe on the loaded weights confirms it"}
 
 
 @lru_cache(maxsize=16)
