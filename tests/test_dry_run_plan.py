@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import TINY_SIZES
@@ -238,3 +239,70 @@ def test_gate_dry_run_refuses_bad_input_as_the_gate_would(made, tiny_model_dir, 
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     assert result.stdout == ""
     assert list(tmp_path.iterdir()) == []
+
+
+# --- online: the dry run fetches the metadata and lists the weights, never downloads them -------
+
+def fake_hub(monkeypatch, folder: Path, listed: dict):
+    """huggingface_hub.snapshot_download replaced by a hub whose commit is `folder` and whose
+    listing of it holds `listed` {file: size}; -> the calls it got (revision, patterns, dry)."""
+    import huggingface_hub
+
+    calls = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, dry_run=False, **_):
+        calls.append((revision, tuple(allow_patterns), dry_run))
+        if dry_run:
+            return [SimpleNamespace(filename=name, file_size=size)
+                    for name, size in listed.items() if name in allow_patterns]
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return calls
+
+
+@pytest.fixture
+def snapshot(tmp_path) -> Path:
+    folder = tmp_path / "snapshots" / ("ab" * 20)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    return folder
+
+
+def test_online_the_dry_run_downloads_metadata_only_and_the_run_the_weights(monkeypatch,
+                                                                           snapshot):
+    from grpogate.inputs.hub_model import METADATA_FILES, resolve_hub_model
+
+    calls = fake_hub(monkeypatch, snapshot, {"model.safetensors": 1234, "pytorch_model.bin": 9})
+    planned = resolve_hub_model(REPO_ID, "", weights=False)
+    assert (planned.commit, planned.weight_files, planned.weight_bytes) == (
+        "ab" * 20, ("model.safetensors",), 1234)
+    assert calls == [(None, tuple(METADATA_FILES), False),
+                     ("ab" * 20, ("model.safetensors",), True)]  # listed, not downloaded
+    calls.clear()
+    (snapshot / "model.safetensors").write_bytes(b"x" * 1234)  # what the download leaves
+    loaded = resolve_hub_model(REPO_ID, "v1.0", weights=True)
+    assert calls == [("v1.0", tuple(METADATA_FILES), False),
+                     ("ab" * 20, ("model.safetensors",), False)]
+    assert loaded.weight_bytes == 1234
+
+
+def test_online_a_pickle_only_repository_and_a_hostile_index_are_refused(monkeypatch, snapshot):
+    from grpogate.inputs.hub_model import resolve_hub_model
+
+    fake_hub(monkeypatch, snapshot, {"pytorch_model.bin": 9})
+    with pytest.raises(InputError, match=f"^{REPO_ID}@{'ab' * 20}: the hub lists no "
+                                         "model.safetensors; the weights load from safetensors"):
+        resolve_hub_model(REPO_ID, "", weights=False)
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-1.safetensors", "b": "../../outside.safetensors"}}))
+    with pytest.raises(InputError, match="names '../../outside.safetensors'; a shard is a "
+                                         ".safetensors file beside the index"):
+        resolve_hub_model(REPO_ID, "", weights=False)
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-2.safetensors", "b": "model-1.safetensors",
+                        "c": "model-1.safetensors"}}))
+    fake_hub(monkeypatch, snapshot, {"model-1.safetensors": 10, "model-2.safetensors": 20})
+    sharded = resolve_hub_model(REPO_ID, "", weights=False)
+    assert (sharded.weight_files, sharded.weight_bytes) == (
+        ("model-1.safetensors", "model-2.safetensors"), 30)
