@@ -74,3 +74,34 @@ def key_pair(directory: Path) -> tuple[Path, Path]:
     (directory / "key.pub").write_bytes(private.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     return directory / "key.pem", directory / "key.pub"
+
+
+def hub_cache(model_dir: Path, cache: Path, repo_id: str, names=None,
+              config_changes: dict | None = None) -> str:
+    """`model_dir`'s files (or those `names`) laid out in `cache` as huggingface_hub's cache
+    holds a download of `repo_id`: blobs named by their sha256, snapshots/<commit>/ of links to
+    them, refs/main naming the commit (no newline, as huggingface_hub writes it); config.json
+    with `config_changes` applied. -> the commit (a made-up 40-hex id, derived from the files'
+    bytes, so that two layouts of one model agree)."""
+    import json
+    import os
+
+    names = sorted(names if names is not None else (p.name for p in Path(model_dir).iterdir()
+                                                    if p.is_file()))
+    files = {name: (Path(model_dir) / name).read_bytes() for name in names}
+    if config_changes:
+        files["config.json"] = json.dumps(json.loads(files["config.json"]) | config_changes
+                                          ).encode()
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    repo = Path(cache) / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1("".join(digests[name] for name in names).encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        blob = repo / "blobs" / digests[name]
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / name)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return commit

@@ -35,12 +35,23 @@ def one_line_error(output: str) -> str:
 
 
 @needs_gsm8k
-def test_dry_run_of_the_reference_profile_passes(invoke):
-    result, created = invoke("run", "--dry-run", "--profile", "gsm8k_qwen05b",
-                             "--set", f"task.path={json.dumps(str(GSM8K_DIR))}")
+def test_dry_run_of_the_reference_profile_passes(invoke, tiny_model_dir, tmp_path_factory,
+                                                 monkeypatch):
+    """Its hub id resolves offline from a cache holding it (the tiny model under that id)."""
+    from huggingface_hub import constants
+
+    from helpers import hub_cache
+
+    cache = tmp_path_factory.mktemp("hub")
+    hub_cache(tiny_model_dir, cache, "Qwen/Qwen2.5-0.5B-Instruct",
+              config_changes={"max_position_embeddings": 32768})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    result, created = invoke("run", "--dry-run", "--json", "--profile", "gsm8k_qwen05b",
+                             "--device", "cpu", "--set", f"task.path={json.dumps(str(GSM8K_DIR))}")
     assert result.exit_code == 0, result.output
-    assert "dry run passed" in result.output
-    assert '"verifier": "gsm8k-final-number-v1"' in result.output
+    assert "dry run passed" in result.stderr
+    assert json.loads(result.stdout)["verifier"] == "gsm8k-final-number-v1"
     assert created == []
 
 

@@ -89,10 +89,10 @@ def test_a_task_switch_drops_the_previous_tasks_params():
 
 def test_dry_run_reports_the_flags(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = invoke("run", "--dry-run", "--steps", "4", "--group-size", "4", "--lr", "1e-4",
-                    "--max-new-tokens", "16", "--task", "reasoning-gym:leg_counting")
+    result = invoke("run", "--dry-run", "--json", "--steps", "4", "--group-size", "4", "--lr",
+                    "1e-4", "--max-new-tokens", "16", "--task", "reasoning-gym:leg_counting")
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output[:result.output.rindex("}") + 1])
+    report = json.loads(result.stdout)
     assert report["steps"] == 4 and report["train_prompts"] == 32  # 4 steps x 8 prompts
     assert report["verifier"].startswith("reasoning-gym/leg_counting")
 

@@ -242,15 +242,30 @@ def test_bad_baseline_manifests_are_refused(baseline_copy, tiny_config, tmp_path
 
 
 @needs_gsm8k
-def test_dry_run_of_the_reference_profile_creates_nothing(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    config = load_config("gsm8k_qwen05b", overrides=[f"task.path={json.dumps(str(GSM8K_DIR))}"])
+def test_dry_run_of_the_reference_profile_creates_nothing(tmp_path, monkeypatch,
+                                                          tiny_model_dir):
+    """The profile's hub id resolves offline from a Hugging Face cache that holds it (here the
+    tiny model under that id) and is pinned to the cached commit."""
+    from huggingface_hub import constants
+
+    from helpers import hub_cache
+
+    commit = hub_cache(tiny_model_dir, tmp_path / "hub", "Qwen/Qwen2.5-0.5B-Instruct",
+                       config_changes={"max_position_embeddings": 32768})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    config = load_config("gsm8k_qwen05b", overrides=[f"task.path={json.dumps(str(GSM8K_DIR))}"],
+                         device="cpu")
     report = admission.dry_run(config)
     assert report["train_prompts"] == 24 and report["eval_prompts"] == 12
     assert report["verifier"] == "gsm8k-final-number-v1"
     assert report["steps"] == 1
-    assert report["model"] == "hub id (resolved at load time)"
-    assert list(tmp_path.iterdir()) == []
+    assert (report["model"]["location"], report["model"]["revision"]) == (
+        "Qwen/Qwen2.5-0.5B-Instruct", commit)
+    assert list(work.iterdir()) == []
 
 
 def test_a_manifest_naming_another_base_model_identity_is_refused_after_loading(

@@ -8,7 +8,7 @@ directory exists) checks the memory estimate and disk room (inputs/budget.py, pu
 against what this machine has. `grpogate run --dry-run` calls `dry_run`, whose
 `dry_run_checks` makes the same checks from the model's config.json and tokenizer only (prompt
 token lengths, LoRA target modules, memory, disk), so it refuses what the run would refuse,
-with the same message.
+with the same message; a hub id is resolved first, by the run's own rule (inputs/hub_model.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from grpogate.evidence.manifest import read_baseline_manifest
 from grpogate.evidence.trackers import check_trackers
 from grpogate.files import refuse_existing_output, refuse_output_inside_a_run
 from grpogate.inputs import budget, tasks
+from grpogate.engines import expected_engine
 from grpogate.inputs.policy import (check_adapter_dir, check_target_modules, default_cache_dir,
-                                    resolve_base_model, resolve_device, resolve_dtype)
+                                    resolve_base_model, resolve_device, resolve_dtype,
+                                    weightless_model)
 from grpogate.inputs.rewards import RewardSet, reward_set_from_config, user_reward_names
 from grpogate.inputs.tasks import Problem
 from grpogate.inputs.verifiers import check_references, get_verifier
@@ -150,24 +152,22 @@ def refuse_unnamed_reward_code(config: RunConfig, reward_code: Collection[str],
 
 def dry_run(config: RunConfig) -> dict:
     """Everything a run checks before it writes, without loading the weights or sampling:
-    admission, where the model comes from, the prompts' token lengths, the LoRA target
-    modules (on a weightless copy of the model), the memory estimate and the disk room."""
+    admission, the model resolved as the run resolves it (a hub id at its pinned commit, from
+    the cache offline), the prompts' token lengths, the LoRA target modules (on a weightless
+    copy of the model), the memory estimate and the disk room; -> the plan the run follows."""
     admission = admit(config)
-    base, estimate = "hub id (resolved at load time)", None
-    costs = {"memory_estimate_gib": None, "time_estimate": None}
-    if admission.model_spec.count("/") != 1 or Path(admission.model_spec).exists():
-        source = resolve_base_model(admission.model_spec, admission.model_revision,
-                                    default_cache_dir(config))
-        base = source.identity()
-        estimate = dry_run_checks(admission, source)
-        costs = planning.cost_figures(admission, source)  # expected peak and wall time
-    return {"run_dir": str(admission.run_dir), "model": base, "adapter": admission.adapter or None,
-            "memory_estimate_bytes": estimate, "verifier": admission.verifier.version,
-            "rewards": admission.reward_set.describe(), "train_prompts": len(admission.train),
-            "eval_prompts": len(admission.eval), "guard_prompts": len(admission.guard),
-            "steps": config.steps, "retest_plan": retest_plan(config),
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "libraries": library_versions(), **costs}
+    source = resolve_base_model(admission.model_spec, admission.model_revision,
+                                default_cache_dir(config), weights=False)
+    checked = dry_run_checks(admission, source)
+    return {"run_dir": str(admission.run_dir), "model": source.identity(),
+            "adapter": admission.adapter or None, "engine": checked["engine"],
+            "device": checked["device"], "dtype": checked["dtype"],
+            "memory_estimate_bytes": checked["memory_estimate_bytes"],
+            "verifier": admission.verifier.version, "rewards": admission.reward_set.describe(),
+            "train_prompts": len(admission.train), "eval_prompts": len(admission.eval),
+            "guard_prompts": len(admission.guard), "steps": config.steps,
+            "retest_plan": retest_plan(config), "gates": dataclasses.asdict(config.gates),
+            "libraries": library_versions(), **planning.cost_figures(admission, source)}
 
 
 def retest_plan(config: RunConfig) -> dict | None:
@@ -182,24 +182,36 @@ def retest_plan(config: RunConfig) -> dict | None:
         "spreads_from": "the default's re-test (seed 42); a finished run states its own"}
 
 
-def dry_run_checks(admission, source) -> int:
-    """The checks `prepare` makes after loading, made from the model's config and tokenizer."""
+def dry_run_checks(admission, source) -> dict:
+    """The checks `prepare` makes after loading, made from the model's config and tokenizer;
+    -> the memory estimate (bytes), the device, the dtype and the engine the run will use."""
     from transformers import AutoTokenizer
 
     config = admission.config
     model_config = json.loads((Path(source.load_dir) / "config.json").read_text(encoding="utf-8"))
-    tokenizer = AutoTokenizer.from_pretrained(source.load_dir)
+    tokenizer = AutoTokenizer.from_pretrained(source.load_dir, trust_remote_code=False)
     for problems in (admission.train, admission.eval):
         encode_prompts(tokenizer, problems, config.resolved_system_prompt(),
                        config.max_prompt_tokens)
-    if not admission.adapter:
-        check_target_modules(source.load_dir, config)
-    device = resolve_device(config.device)
+    # The targets of a fresh LoRA are checked; a baseline adapter's are checked as it loads.
+    model = (weightless_model(source.load_dir) if admission.adapter else
+             check_target_modules(source.load_dir, config))
+    runtime = runtime_plan(config, model)
+    device = torch.device(runtime["device"])
     dims = budget.model_dims(model_config)
-    dtype_bytes = torch.empty((), dtype=resolve_dtype(config.dtype, device)).element_size()
+    dtype_bytes = torch.empty((), dtype=getattr(torch, runtime["dtype"])).element_size()
     estimate = budget.check_fits(config, dims, dtype_bytes, available_memory(device), str(device))
     budget.check_output_writable(admission.run_dir, budget.checkpoint_bytes(config, dims))
-    return estimate["total"]
+    return runtime | {"memory_estimate_bytes": estimate["total"]}
+
+
+def runtime_plan(config: RunConfig, model) -> dict:
+    """The device and dtype the config resolves to here, and the engine the weightless `model`
+    (a meta-device copy) will run on: what a run or a gate records once it loads."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    return {"engine": expected_engine(model), "device": str(device),
+            "dtype": str(dtype).removeprefix("torch.")}
 
 
 def available_memory(device: torch.device) -> int:

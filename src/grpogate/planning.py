@@ -58,13 +58,13 @@ def expected_engine(load_dir: str, device: torch.device) -> str:
         return "reference"
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from grpogate.engines import structure_declines
+    from grpogate.engines import expected_engine as engine_of
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(load_dir, trust_remote_code=False), trust_remote_code=False)
-    declined = structure_declines(model)
-    return f"reference (cpu accelerator: {declined})" if declined else "cpu"
+    found = engine_of(model)
+    return f"reference ({found['declined']})" if found["declined"] else found["name"]
 
 
 def cost_figures(admission, source) -> dict:

@@ -105,10 +105,8 @@ def chat_renderer(config: RunConfig):
             from transformers import AutoTokenizer
 
             base = resolve_base_model(config.model, config.model_revision,
-                                      default_cache_dir(config))
-            options = {"revision": base.revision} if base.revision else {}
-            tokenizer = AutoTokenizer.from_pretrained(base.load_dir, trust_remote_code=False,
-                                                      **options)
+                                      default_cache_dir(config), weights=False)
+            tokenizer = AutoTokenizer.from_pretrained(base.load_dir, trust_remote_code=False)
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                  tokenize=False)
@@ -193,7 +191,7 @@ def source_of(admitted: Admitted) -> str:
     return str(admitted.isolation.get("source", ""))
 
 
-def _guard(admitted: Admitted) -> tuple[list, dict, object]:
+def guard_problems(admitted: Admitted) -> tuple[list, dict, object]:
     """The guard set a grpogate run re-tests too (config [guard]; drawn skipping the given train
     and the eval prompts), its identity and its task's own verifier."""
     config = admitted.config
@@ -295,7 +293,7 @@ def _gate_copy(admitted: Admitted, hashes: dict[str, str], reporter) -> dict:
     identity = _identify(admitted, policy)
     load_seconds = time.perf_counter() - started
     version = candidate_version(found, policy.base.sha256, hashes)
-    guard_set, guard_identity, guard_verifier = _guard(admitted)
+    guard_set, guard_identity, guard_verifier = guard_problems(admitted)
     records, guard_records, errors, evaluation_seconds = [], [], 0, 0.0
     failed_checks = ([] if identity["matches"] else ["baseline_identity"]) + (
         ["finite_weights"] if finite["non_finite_tensors"] else [])

@@ -19,10 +19,11 @@ import typer
 
 from grpogate import api
 from grpogate.cli import eval_commands, gate_commands, options
+from grpogate.cli.plan import print_dry_run
 from grpogate.cli.results import print_audit_lines, print_run_result
 from grpogate.evidence.retest_checks import test_lines
 from grpogate.cli.terminal import (DECISION_EXIT_CODES, DECISION_STYLE, OneLineErrors,
-                                   RichReporter, console, fail, gates_table, messages,
+                                   RichReporter, console, fail, gates_table,
                                    print_error, print_json, progress_bars, quiet_libraries)
 from grpogate.config import load_config
 from grpogate.errors import InputError, command, plain
@@ -172,10 +173,7 @@ def _run(profile, config_file, gates_file, overrides, out, label, dry_run, as_js
             config = load_config(profile or "default", config_file, overrides,
                                  gates_file=gates_file, out=out, label=label, **named)
         if dry_run:
-            report = admission.dry_run(config)
-            print_json(report)  # stdout holds the report alone: `--json | jq` reads it
-            messages.print("[green]dry run passed:[/] configuration, inputs and environment are "
-                           "usable")
+            print_dry_run(admission.dry_run(config), as_json)
             return
         with progress_bars() if world.is_main else contextlib.nullcontext() as progress:
             reporter = RichReporter(progress) if world.is_main else NullReporter()

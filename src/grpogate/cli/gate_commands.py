@@ -1,5 +1,5 @@
-"""`grpogate gate --from-trl DIR | --candidate DIR`: parse, call trl_gate, print
-(cli/__init__.py registers it).
+"""`grpogate gate --from-trl DIR | --candidate DIR`: parse, call trl_gate (or, with --dry-run,
+gate_dry_run), print (cli/__init__.py registers it).
 
 The printing is the run's own (`print_result`, handed in by cli/__init__.py): a gated run ends exactly
 as a `grpogate run` does, with the gates table, the re-test line and the decision.
@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import typer
 
 from grpogate.cli.eval_commands import TASK_HELP
+from grpogate.cli.plan import print_dry_run
 from grpogate.config import load_config
 from grpogate.errors import InputError
 from grpogate.cli.terminal import RichReporter, console, fail, progress_bars
@@ -33,19 +34,28 @@ TRAIN_DATA = typer.Option(
     "chat messages) is what TRL trained on: no eval prompt may appear inside it.")
 
 
+BASELINE = typer.Option(None, metavar="BASE[+ADAPTER]", help="The baseline the candidate was "
+                        "trained from (default: the profile's model); an adapter's "
+                        "base_model_name_or_path must name it, a checkpoint must be of its "
+                        "architecture.")
+TRL_ARGS = typer.Option("", "--trl-args", metavar="FILE", help="The run's GRPOConfig fields as "
+                        "JSON (trainer.args.to_json_string()) or TOML.")
+NUM_GENERATIONS = typer.Option(None, "--num-generations", metavar="G", min=1,
+                               help="TRL's num_generations (G), unless --trl-args gives it.")
+DRY_RUN = typer.Option(False, "--dry-run", help="Make every check the gate makes before it "
+                       "samples and print its plan (the re-test's looks and what it resolves, "
+                       "the gates); write nothing.")
+AS_JSON = typer.Option(False, "--json", help="With --dry-run: print its report as JSON alone on "
+                       "stdout (every message goes to stderr).")
+
+
 def gate_command(print_result: Callable[[dict, bool], None]):
     def gate(
         from_trl: str = FROM_TRL,
         candidate: str = CANDIDATE,
-        baseline: Optional[str] = typer.Option(
-            None, metavar="BASE[+ADAPTER]", help="The baseline the candidate was trained from "
-            "(default: the profile's model); an adapter's base_model_name_or_path must name it, "
-            "a checkpoint must be of its architecture."),
-        trl_args: str = typer.Option("", "--trl-args", metavar="FILE", help="The run's GRPOConfig "
-                                     "fields as JSON (trainer.args.to_json_string()) or TOML."),
-        num_generations: Optional[int] = typer.Option(
-            None, "--num-generations", metavar="G", min=1,
-            help="TRL's num_generations (G), unless --trl-args gives it."),
+        baseline: Optional[str] = BASELINE,
+        trl_args: str = TRL_ARGS,
+        num_generations: Optional[int] = NUM_GENERATIONS,
         train_data: str = TRAIN_DATA,
         train_from_config: bool = typer.Option(
             False, "--train-from-config", help="The run trained on the config's own train split."),
@@ -66,6 +76,8 @@ def gate_command(print_result: Callable[[dict, bool], None]):
                                             help="Base weights dtype."),
         exit_code_from_decision: bool = typer.Option(
             False, "--exit-code-from-decision", help="Exit 0 on accept, 3 on tune, 4 on reject."),
+        dry_run: bool = DRY_RUN,
+        as_json: bool = AS_JSON,
     ) -> None:
         """Gate a candidate trained elsewhere (a TRL run, or any trainer's adapter or
         checkpoint): admission, the paired re-test, the gates, a manifest."""
@@ -73,12 +85,21 @@ def gate_command(print_result: Callable[[dict, bool], None]):
         from grpogate.trl_gate import GateRequest, gate as gate_run
 
         try:
+            if as_json and not dry_run:
+                raise InputError("--json goes with --dry-run (a gated run's evidence is "
+                                 "RUN_DIR/evidence.json; `grpogate decide RUN_DIR --json` "
+                                 "prints its audit)")
             model, adapter = parse_policy_spec(baseline) if baseline else (None, None)
             config = load_config(profile, config_file, overrides, gates_file=gates_file, out=out,
                                  label=label, model=model, adapter=adapter, device=device,
                                  dtype=dtype, task=parse_tasks_spec(task) if task else None)
             request = GateRequest(from_trl, trl_args, num_generations, train_data,
                                   train_from_config, candidate)
+            if dry_run:
+                from grpogate.gate_dry_run import dry_run as gate_dry_run
+
+                print_dry_run(gate_dry_run(config, request), as_json)
+                return
             with progress_bars() as progress:
                 evidence = gate_run(config, request, RichReporter(progress))
         except InputError as error:

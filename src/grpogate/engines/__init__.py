@@ -38,8 +38,8 @@ from grpogate.engines.cpu.native import NativeKernels, kernels_identity, native_
 from grpogate.engines.cpu.weights import can_prepack, linear, prepack
 from grpogate.engines.reference import ReferenceEngine
 
-__all__ = ["Engine", "Scorer", "Stepper", "adapters_disabled", "engine_for", "kernels_identity",
-           "row_kernels", "structure_declines", "product", "product_weights"]
+__all__ = ["Engine", "Scorer", "Stepper", "adapters_disabled", "engine_for", "expected_engine",
+           "kernels_identity", "product", "product_weights", "row_kernels"]
 
 
 class Stepper(Protocol):
@@ -103,17 +103,20 @@ def engine_for(model) -> Engine:
     return ReferenceEngine(f"cpu accelerator: {found}")
 
 
+def expected_engine(model) -> dict:
+    """The engine `engine_for` will pick, read from a weightless (meta-device) copy of the
+    model before any weight loads: its structure and settings decide here; the probe of its
+    mathematics (cpu/probe.py) needs the loaded weights and can still decline at load."""
+    found = describe(model)
+    if isinstance(found, str):
+        return {"name": ReferenceEngine.name, "declined": f"cpu accelerator: {found}"}
+    return {"name": CpuEngine.name, "declined": "",
+            "note": "from the model's structure; the probe on the loaded weights confirms it"}
+
+
 @lru_cache(maxsize=16)
 def _say(declined: str) -> None:
     print(f"grpogate: engine: reference ({declined})", file=sys.stderr)
-
-
-def structure_declines(model) -> str:
-    """Why the CPU accelerator's check of `model`'s structure and settings declines it ("" where
-    it accepts): what a weightless copy can tell before load (the probe of its mathematics
-    needs the weights). The dry run's forecast names the engine from it."""
-    found = describe(model)
-    return found if isinstance(found, str) else ""
 
 
 def product_weights(weight: torch.Tensor):

@@ -28,6 +28,7 @@ from grpogate.errors import InputError, first_line
 from grpogate.config.adapter_patterns import check_module_patterns, lora_targets
 from grpogate.engines import adapters_disabled
 from grpogate.files.cache_dir import cache_root, use_cache_dir
+from grpogate.inputs.hub_model import resolve_hub_model
 from grpogate.inputs.model_cache import dequantized_cache, directory_weights_sha256
 from grpogate.files import (ADAPTER_WEIGHTS, policy_version, read_safetensors,  # noqa: F401
                             safetensors_names, sha256_path, tensors_digest)
@@ -112,7 +113,11 @@ def _check_gguf(path: Path) -> None:
             raise InputError(f"{path}: not a GGUF file (missing the GGUF magic bytes)")
 
 
-def resolve_base_model(model: str, revision: str, cache_root: Path) -> BaseModelSource:
+def resolve_base_model(model: str, revision: str, cache_root: Path,
+                       weights: bool = True) -> BaseModelSource:
+    """Where `model` loads from: the bundled model or a .gguf file (dequantized into the cache),
+    a local Hugging Face folder, or a hub id at its resolved commit (inputs/hub_model.py; its
+    weight files fetched when `weights`, only looked for otherwise: the dry run's rule)."""
     if model == BUNDLED_MODEL or model.endswith(".gguf"):
         gguf = bundled_gguf_path() if model == BUNDLED_MODEL else Path(model).resolve()
         if not gguf.is_file():
@@ -131,9 +136,13 @@ def resolve_base_model(model: str, revision: str, cache_root: Path) -> BaseModel
                                spec=model, loaded_sha256=digest)
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise InputError(f"{model}: no such model path (and not a Hugging Face id owner/name)")
-    # A hub id: the identity is the id at the resolved commit, recorded after loading.
-    return BaseModelSource(kind="hf-id", location=model, load_dir=model, sha256="",
-                           revision=revision, spec=model)
+    # A hub id: the identity is the id at the commit its revision resolves to, pinned here, so
+    # the dry run checks and the run loads the same files.
+    snapshot = resolve_hub_model(model, revision, weights)
+    return BaseModelSource(
+        kind="hf-id", location=model, load_dir=str(snapshot.directory),
+        sha256=hashlib.sha256(f"{model}@{snapshot.commit}".encode()).hexdigest(),
+        revision=snapshot.commit, spec=model)
 
 
 # --- the loaded policy -----------------------------------------------------------------------
@@ -218,17 +227,22 @@ def _attach_fresh_lora(model, config: RunConfig):
                          f"({first_line(error)})") from None
 
 
-def check_target_modules(load_dir: str, config: RunConfig) -> None:
-    """Attach the configured LoRA to a weightless (meta-device) copy of the model: the dry run
-    learns whether the target modules match anything without loading a single weight."""
+def weightless_model(load_dir: str):
+    """The model of `load_dir`'s config.json on the meta device: its modules and shapes, no
+    weight read or allocated."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     # trust_remote_code=False: a config's auto_map (code in the model directory or on the hub)
     # is refused with a ValueError; left unset, transformers would ask on the terminal.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        return AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(load_dir, trust_remote_code=False), trust_remote_code=False)
-    _attach_fresh_lora(model, config)
+
+
+def check_target_modules(load_dir: str, config: RunConfig):
+    """Attach the configured LoRA to a weightless copy of the model: the dry run learns whether
+    the target modules match anything without loading a single weight; -> that copy."""
+    return _attach_fresh_lora(weightless_model(load_dir), config)
 
 
 def _load_baseline_adapter(model, adapter_dir: Path, base_dir: str):
@@ -277,28 +291,20 @@ def load_policy(config: RunConfig, adapter: str = "", seed: int | None = None) -
     """Load the base model and attach the trainable LoRA adapter (fresh, or from `adapter`).
 
     No code the model names runs (trust_remote_code=False: a model whose config or tokenizer
-    needs its own code is refused with a ValueError, never asked about), and a local model
-    (directory or dequantized GGUF) loads its weights from safetensors only."""
+    needs its own code is refused with a ValueError, never asked about), and every model
+    (directory, dequantized GGUF or hub snapshot) loads its weights from safetensors only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     use_cache_dir(config.cache_dir)  # the native kernels build there too
     base = resolve_base_model(config.model, config.model_revision, default_cache_dir(config))
-    options = {"revision": base.revision} if base.revision else {}
-    tokenizer = AutoTokenizer.from_pretrained(base.load_dir, trust_remote_code=False, **options)
-    if base.kind != "hf-id":
-        options["use_safetensors"] = True
+    # Every kind loads from a local folder (a hub id from its pinned snapshot in the cache).
+    tokenizer = AutoTokenizer.from_pretrained(base.load_dir, trust_remote_code=False)
     # use_kernels=False: no layer kernels fetched from the hub (code the model does not ship),
     # nor the model re-kernelized on every train/eval switch (two a rollout; bench/README.md).
     model = AutoModelForCausalLM.from_pretrained(base.load_dir, dtype=dtype, use_kernels=False,
-                                                 trust_remote_code=False, **options)
-    if base.kind == "hf-id":
-        commit = getattr(model.config, "_commit_hash", None) or base.revision or "unresolved"
-        base = BaseModelSource(
-            kind="hf-id", location=base.location, load_dir=base.load_dir,
-            sha256=hashlib.sha256(f"{base.location}@{commit}".encode()).hexdigest(),
-            revision=commit, spec=base.spec)
+                                                 trust_remote_code=False, use_safetensors=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
