@@ -275,7 +275,8 @@ def resolved_sizes(config, sizes: dict) -> dict:
 
 def study(work_dir: Path, candidates: list[str], sizes: dict, seed: int, quick: bool,
           exclude_run: str | None, model: str | None, pools_only: bool = False,
-          mixtures: tuple[str, ...] = (), overrides: tuple[str, ...] = ()) -> dict:
+          mixtures: tuple[str, ...] = (), overrides: tuple[str, ...] = (),
+          rows: tuple[str, ...] = ()) -> dict:
     """Every policy's pool, then `draws` resampled re-tests of each candidate (none with
     `pools_only`: the pools and their generation rate alone). --quick's first candidate is the
     perturbed adapter, and its mixtures QUICK_MIXTURES when none are given."""
@@ -303,13 +304,13 @@ def study(work_dir: Path, candidates: list[str], sizes: dict, seed: int, quick: 
                   for item in mixtures]
     except ValueError as error:
         raise InputError(f"--mixtures {error}") from None
-    results = [{"policy": decision_resample.SELF, "identity": baseline["header"]["identity"],
-                **decision_resample.study_policy(baseline, baseline, settings, sizes["draws"],
-                                                 seed, disjoint=True)}]
-    for name, pool in pools:
-        results.append({"policy": name, "identity": pool["header"]["identity"],
-                        **decision_resample.study_policy(baseline, pool, settings,
-                                                         sizes["draws"], seed)})
+    drawn = [(decision_resample.SELF, baseline), *pools]
+    if rows:  # --rows: these policies alone (the study split over processes)
+        drawn = [(name, pool) for name, pool in drawn if name.startswith(rows)]
+    results = [{"policy": name, "identity": pool["header"]["identity"],
+                **decision_resample.study_policy(baseline, pool, settings, sizes["draws"], seed,
+                                                 disjoint=name == decision_resample.SELF)}
+               for name, pool in drawn]
     return {"quick": quick, "design": {
                 **sizes, "eval_prompts": config.eval_prompts,
                 "eval_batch_prompts": config.eval_batch_prompts,
@@ -367,6 +368,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="a re-test design or gate other than the "
                         "default's (the pools do not depend on it), e.g. eval_prompts=384")
+    parser.add_argument("--rows", default="", metavar="PARTS", help="comma-separated beginnings of "
+                        "policy names: draw only the policies whose names begin with one (a study "
+                        "split over processes; every pool is still read)")
     parser.add_argument("--perturbed", type=float, default=0.0, metavar="SCALE",
                         help="add the null adapter with random B of this scale as a candidate")
     for key in FULL:
@@ -395,7 +399,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = study(args.work_dir, args.candidate, sizes, args.seed, args.quick,
                        args.exclude_run, args.baseline, args.pools_only,
-                       tuple(mixtures), tuple(args.overrides))
+                       tuple(mixtures), tuple(args.overrides),
+                       tuple(part for part in args.rows.split(",") if part))
     except InputError as error:  # bad input: one error line, exit 2, no results written
         print(f"error: {visible(error)}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -217,6 +217,15 @@ def test_gate_dry_run_checks_the_candidate_and_writes_nothing(made, tiny_model_d
     assert (report["eval_prompts"], report["device"], report["dtype"]) == (4, "cpu", "float32")
     assert report["gates"]["minimum_reward_gain"] == 0.0
     assert report["baseline"]["kind"] == "hf-dir"
+    # A gate's cost is the load and the re-test: no training stage takes time or memory, and
+    # the adapter is held without an optimizer.
+    expected = report["time_estimate"]["expected_seconds"]
+    assert expected["rollout"] == expected["update"] == expected["checkpoints"] == 0.0
+    assert expected["retest"] > 0 and expected["total"] > expected["retest"]
+    parts = report["memory_estimate_gib"]["parts"]
+    assert set(parts) == {"runtime", "weights", "adapter", "re-test tensors"}
+    assert report["memory_estimate_gib"]["expected_peak"] == pytest.approx(
+        sum(parts.values()), abs=0.03)  # each part and the total rounded to 0.01 GiB
     assert list(tmp_path.iterdir()) == []
     plain = gate_dry(made / "full", tiny_model_dir, tmp_path / "gated")
     assert plain.exit_code == 0, plain.output

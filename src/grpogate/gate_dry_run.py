@@ -8,11 +8,15 @@ tokenizer: the baseline resolved as the gate resolves it (a hub id at its pinned
 adapter's base model against it, the guard set, the eval and guard prompts' token lengths, and
 the candidate's weights' values (read from the folder itself: the gate reads its copy). A full
 checkpoint's tensors are checked against the baseline's architecture when the baseline loads.
+Its cost figures are the run's (planning.cost_figures) for the load and the re-test alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
+
+from grpogate import planning
 
 from grpogate.admission import retest_plan, runtime_plan
 from grpogate.config import RunConfig
@@ -57,4 +61,7 @@ def dry_run(config: RunConfig, request: GateRequest) -> dict:
             "eval_prompts": len(admitted.eval_set), "guard_prompts": len(guard_set),
             "guard_set": guard_identity, "isolation": admitted.isolation,
             "settings": admitted.settings or None, "retest_plan": retest_plan(config),
-            "gates": dataclasses.asdict(config.gates), "libraries": library_versions()}
+            "gates": dataclasses.asdict(config.gates), "libraries": library_versions(),
+            **planning.cost_figures(SimpleNamespace(config=config, train=[],
+                                                    eval=admitted.eval_set + guard_set),
+                                    base, train=False)}

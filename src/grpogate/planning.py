@@ -10,6 +10,7 @@ what each figure is.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -67,11 +68,12 @@ def expected_engine(load_dir: str, device: torch.device) -> str:
     return f"reference ({found['declined']})" if found["declined"] else found["name"]
 
 
-def cost_figures(admission, source) -> dict:
-    """{"memory_estimate_gib": ..., "time_estimate": ...} for the dry run's report."""
+def cost_figures(admission, source, train: bool = True) -> dict:
+    """{"memory_estimate_gib": ..., "time_estimate": ...} for the dry run's report. `train`
+    False: a gate's (load, the re-test, the records; no steps, no optimizer)."""
     from transformers import AutoTokenizer
 
-    config = admission.config
+    config = admission.config if train else dataclasses.replace(admission.config, train_prompts=0)
     model_config = json.loads((Path(source.load_dir) / "config.json").read_text(encoding="utf-8"))
     dims = budget.model_dims(model_config)
     prompt = prompt_tokens(admission, AutoTokenizer.from_pretrained(source.load_dir))
@@ -85,7 +87,7 @@ def cost_figures(admission, source) -> dict:
     peak = budget.expected_peak(config, dims, dtype_bytes, prompt, runtime,
                                 forecast.PLANNING["completion_fraction"],
                                 forecast.PLANNING["valid_group_fraction"],
-                                weight_copies=4 if engine == "cpu" else 1)
+                                weight_copies=4 if engine == "cpu" else 1, train=train)
     bound = budget.memory_estimate(config, dims, dtype_bytes)["total"]
     decode_rows = min(256, max(config.prompts_per_step * config.group_size,
                                config.eval_batch_prompts * config.eval_group_size))

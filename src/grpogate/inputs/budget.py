@@ -106,7 +106,7 @@ def kv_cache_bytes(config: RunConfig, dims: dict[str, int], dtype_bytes: int, pr
 
 def expected_peak(config: RunConfig, dims: dict[str, int], dtype_bytes: int, prompt: dict,
                   runtime_bytes: int, completion_fraction: float, valid_fraction: float,
-                  weight_copies: int = 4) -> dict[str, int]:
+                  weight_copies: int = 4, train: bool = True) -> dict[str, int]:
     """The run's expected peak resident memory, by part: what this process already holds
     (`runtime_bytes`: the interpreter, torch, transformers), the weights as the run holds them
     (`weight_copies`: on the CPU accelerator three from loading on, as the default's resident
@@ -115,7 +115,8 @@ def expected_peak(config: RunConfig, dims: dict[str, int], dtype_bytes: int, pro
     rollout's, or the update's activations and what the allocator keeps of them over the
     steps; it keeps it through the re-test) and the re-test's tensors on top.
     `prompt`: mean prompt tokens {"shared", "own"}; the fractions are the planning figures of
-    completion length and valid groups (forecast.PLANNING)."""
+    completion length and valid groups (forecast.PLANNING). `train` False: a gate's re-test
+    alone (no rollout, update or optimizer; the adapter's weights only)."""
     weights = parameter_count(dims) * dtype_bytes
     logits_row = dims["vocab"] * 4 * 2  # float32 logits and the sampler's probabilities
 
@@ -139,9 +140,11 @@ def expected_peak(config: RunConfig, dims: dict[str, int], dtype_bytes: int, pro
     retest = max(decode(config.eval_batch_prompts, config.eval_group_size, 2),
                  decode(config.guard.prompts, config.guard.group_size, 1)
                  if config.guard.enabled else 0)
+    adapter = lora_parameter_count(config, dims) * 4
     parts = {"runtime": runtime_bytes, "weights": weight_copies * weights,
-             "adapter and optimizer": lora_parameter_count(config, dims) * 4 * 4,
-             f"{largest} tensors": int(training[largest]), "re-test tensors": int(retest)}
+             "adapter and optimizer" if train else "adapter": adapter * 4 if train else adapter,
+             **({f"{largest} tensors": int(training[largest])} if train else {}),
+             "re-test tensors": int(retest)}
     parts["total"] = sum(parts.values())
     return parts
 
