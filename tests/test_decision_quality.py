@@ -249,6 +249,11 @@ def test_quick_runs_end_to_end_and_reuses_its_pools(tiny_model_dir, tmp_path, ca
     result = json.loads((work / "decision_quality.json").read_text())
     assert result["design"]["eval_prompts"] == 4
     assert all(20 <= row["mean_used"]["completions"] <= 52 for row in result["results"])
+    # --rows: the policies whose names begin with one of the parts, in the study's order.
+    decision_quality.main(arguments + ["--rows", "null,self"])
+    result = json.loads((work / "decision_quality.json").read_text())
+    assert [row["policy"] for row in result["results"]] == [decision_resample.SELF,
+                                                            "null candidate"]
 
 
 def test_a_whole_draw_judges_the_re_test_exactly_as_it_was_sampled():
