@@ -36,7 +36,6 @@ import time
 
 from grpogate.config import RunConfig
 from grpogate.evidence import stopping
-from grpogate.evidence.anytime import resolvable_difference
 
 # The default's own run at seed 42 (docs/measurements.md, "The sequential re-test on the
 # default"): completions averaged 13.2 of 48 tokens, 199 of 512 groups were valid, and the
@@ -101,26 +100,24 @@ def update_products(config: RunConfig, rates: dict, prompt: dict, completion_fra
 def expected_retest(config: RunConfig) -> dict:
     """The eval prompts and guard rounds the re-test samples, expected and at most: it is
     expected to stop at the first look at which the planning gains are resolved with
-    probability one half (anytime.resolvable_difference at stopping.PLANNING_SPREADS, the
-    planning stopping.plan states at probability 0.8)."""
+    probability one half (stopping.prompts_to_show at stopping.PLANNING_SPREADS, the planning
+    stopping.plan states at probability 0.8). A resolvable gain only shrinks as observations
+    grow, so both gain gates are resolved at the later of their two first looks."""
     design = stopping.design_of(config.to_dict())
     if design is None:
         return {"expected": (config.eval_prompts, 1), "most": (config.eval_prompts, 1)}
     margins = stopping.margins_of(config.to_dict()["gates"])
 
-    def resolves(gate: str, observations: int) -> bool:
-        found = resolvable_difference(stopping.PLANNING_SPREADS[gate], observations, margins[gate],
-                                      power=0.5)
-        return found is not None and found <= PLANNING["gains"][gate] - margins[gate]
+    def first(gate: str, batch: int, most: int) -> int | None:
+        return stopping.prompts_to_show(stopping.PLANNING_SPREADS[gate], PLANNING["gains"][gate],
+                                        margins[gate], batch, most, power=0.5)
 
     batch = max(1, design["eval_batch"])
-    looks = [min(n, design["eval_max"]) for n in range(batch, design["eval_max"] + batch, batch)]
-    eval_prompts = next((n for n in looks
-                         if resolves("reward", n) and resolves("pass_at_group", n)),
-                        design["eval_max"])
+    shown = [first(gate, batch, design["eval_max"]) for gate in ("reward", "pass_at_group")]
+    eval_prompts = design["eval_max"] if None in shown else max(shown)
     rounds = design["guard_max"] // design["guard_batch"] if design["guard_batch"] else 0
-    guard_rounds = next((r for r in range(1, rounds + 1)
-                         if resolves("guard", r * design["guard_batch"])), rounds)
+    guard = first("guard", design["guard_batch"], rounds * design["guard_batch"])
+    guard_rounds = rounds if guard is None else guard // design["guard_batch"]
     return {"expected": (eval_prompts, guard_rounds), "most": (design["eval_max"], rounds)}
 
 

@@ -196,14 +196,14 @@ def plan(design: dict, eval_group_size: int, margins: dict, spreads: dict) -> di
 PLANNED_GAINS = (0.1, 0.2, 0.3)  # the reward gains a plan sizes the re-test for
 
 
-def prompts_to_show(spread: float, gain: float, margin: float, batch: int,
-                    most: int) -> int | None:
-    """The eval prompts of the first look (a multiple of `batch`, at most `most`) by which a
-    true reward gain of `gain` is shown above `margin` with probability about 0.8; None when
-    even the maximum does not resolve it."""
-    for prompts in range(batch, most + batch, batch):
-        prompts = min(prompts, most)
-        resolved = resolvable_difference(spread, prompts, margin)
+def prompts_to_show(spread: float, gain: float, margin: float, batch: int, most: int,
+                    power: float = 0.8) -> int | None:
+    """The observations of the first look (a multiple of `batch`, at most `most`) by which a
+    true gain of `gain` is shown above `margin` with probability about `power`; None when even
+    the maximum does not resolve it (or there are no looks)."""
+    for observations in range(batch, most + batch, batch) if batch > 0 else ():
+        observations = min(observations, most)
+        resolved = resolvable_difference(spread, observations, margin, power)
         if resolved is not None and resolved <= gain - margin:
-            return prompts
+            return observations
     return None
