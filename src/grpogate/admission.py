@@ -158,7 +158,8 @@ def dry_run(config: RunConfig) -> dict:
     admission = admit(config)
     source = resolve_base_model(admission.model_spec, admission.model_revision,
                                 default_cache_dir(config), weights=False)
-    checked = dry_run_checks(admission, source)
+    checked, tokenizer = dry_run_checks(admission, source)
+    runtime = {key: checked[key] for key in ("engine", "device", "dtype")}
     return {"run_dir": str(admission.run_dir), "model": source.identity(),
             "adapter": admission.adapter or None, "engine": checked["engine"],
             "device": checked["device"], "dtype": checked["dtype"],
@@ -167,7 +168,8 @@ def dry_run(config: RunConfig) -> dict:
             "train_prompts": len(admission.train), "eval_prompts": len(admission.eval),
             "guard_prompts": len(admission.guard), "steps": config.steps,
             "retest_plan": retest_plan(config), "gates": dataclasses.asdict(config.gates),
-            "libraries": library_versions(), **planning.cost_figures(admission, source)}
+            "libraries": library_versions(),
+            **planning.cost_figures(admission, source, tokenizer, runtime)}
 
 
 def retest_plan(config: RunConfig) -> dict | None:
@@ -182,9 +184,10 @@ def retest_plan(config: RunConfig) -> dict | None:
         "spreads_from": "the default's re-test (seed 42); a finished run states its own"}
 
 
-def dry_run_checks(admission, source) -> dict:
+def dry_run_checks(admission, source) -> tuple[dict, object]:
     """The checks `prepare` makes after loading, made from the model's config and tokenizer;
-    -> the memory estimate (bytes), the device, the dtype and the engine the run will use."""
+    -> ({the memory estimate (bytes), the device, the dtype and the engine the run will use},
+    the tokenizer)."""
     from transformers import AutoTokenizer
 
     config = admission.config
@@ -202,7 +205,7 @@ def dry_run_checks(admission, source) -> dict:
     dtype_bytes = torch.empty((), dtype=getattr(torch, runtime["dtype"])).element_size()
     estimate = budget.check_fits(config, dims, dtype_bytes, available_memory(device), str(device))
     budget.check_output_writable(admission.run_dir, budget.checkpoint_bytes(config, dims))
-    return runtime | {"memory_estimate_bytes": estimate["total"]}
+    return runtime | {"memory_estimate_bytes": estimate["total"]}, tokenizer
 
 
 def runtime_plan(config: RunConfig, model) -> dict:

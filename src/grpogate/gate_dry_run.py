@@ -17,7 +17,6 @@ import dataclasses
 from types import SimpleNamespace
 
 from grpogate import planning
-
 from grpogate.admission import retest_plan, runtime_plan
 from grpogate.config import RunConfig
 from grpogate.evidence.assemble import library_versions
@@ -48,6 +47,7 @@ def dry_run(config: RunConfig, request: GateRequest) -> dict:
     for problems in (admitted.eval_set, guard_set):
         encode_prompts(tokenizer, problems, config.resolved_system_prompt(),
                        config.max_prompt_tokens)
+    runtime = runtime_plan(config, weightless_model(base.load_dir))
     return {"run_dir": str(admitted.run_dir), "door": "candidate" if request.candidate else
             "from-trl", "baseline": base.identity(), "adapter": config.adapter or None,
             "candidate": {"kind": found.kind, "directory": str(found.directory),
@@ -55,7 +55,7 @@ def dry_run(config: RunConfig, request: GateRequest) -> dict:
                           "pickles_not_loaded": found.pickles_not_loaded},
             "baseline_identity": identity,
             "finite_weights": finite_weights(found.directory, found.weights),
-            **runtime_plan(config, weightless_model(base.load_dir)),
+            **runtime,
             "verifier": admitted.verifier.version,
             "train_prompts": len(admitted.train) if admitted.train is not None else None,
             "eval_prompts": len(admitted.eval_set), "guard_prompts": len(guard_set),
@@ -64,4 +64,4 @@ def dry_run(config: RunConfig, request: GateRequest) -> dict:
             "gates": dataclasses.asdict(config.gates), "libraries": library_versions(),
             **planning.cost_figures(SimpleNamespace(config=config, train=[],
                                                     eval=admitted.eval_set + guard_set),
-                                    base, train=False)}
+                                    base, tokenizer, runtime, train=False)}

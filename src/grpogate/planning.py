@@ -20,7 +20,6 @@ import torch
 from grpogate.engines.rows import shared_prefix_length
 from grpogate import forecast
 from grpogate.inputs import budget
-from grpogate.inputs.policy import resolve_device, resolve_dtype
 from grpogate.sampling.rollout import encode_prompts
 
 GIB = budget.GIB
@@ -51,36 +50,27 @@ def resident_bytes() -> int:
         return 0
 
 
-def expected_engine(load_dir: str, device: torch.device) -> str:
-    """The engine the run will take: the CPU accelerator where its check of the model's structure
-    and settings accepts a weightless copy (the probe of its mathematics needs the weights and
-    runs at load), else the reference."""
-    if device.type != "cpu":
+def engine_label(runtime: dict) -> str:
+    """The engine the forecast assumes, from the dry run's runtime plan
+    (admission.runtime_plan): its figures were fitted on the CPU accelerator and take the
+    reference engine's single weight copy on any other device."""
+    engine = runtime["engine"]
+    if torch.device(runtime["device"]).type != "cpu":
         return "reference"
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from grpogate.engines import expected_engine as engine_of
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(load_dir, trust_remote_code=False), trust_remote_code=False)
-    found = engine_of(model)
-    return f"reference ({found['declined']})" if found["declined"] else found["name"]
+    return f"reference ({engine['declined']})" if engine["declined"] else engine["name"]
 
 
-def cost_figures(admission, source, train: bool = True) -> dict:
-    """{"memory_estimate_gib": ..., "time_estimate": ...} for the dry run's report. `train`
+def cost_figures(admission, source, tokenizer, runtime: dict, train: bool = True) -> dict:
+    """{"memory_estimate_gib": ..., "time_estimate": ...} for the dry run's report, from the
+    model's config, its `tokenizer` and the `runtime` plan the dry run has resolved. `train`
     False: a gate's (load, the re-test, the records; no steps, no optimizer)."""
-    from transformers import AutoTokenizer
-
     config = admission.config if train else dataclasses.replace(admission.config, train_prompts=0)
     model_config = json.loads((Path(source.load_dir) / "config.json").read_text(encoding="utf-8"))
     dims = budget.model_dims(model_config)
-    prompt = prompt_tokens(admission, AutoTokenizer.from_pretrained(source.load_dir))
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    prompt = prompt_tokens(admission, tokenizer)
+    device, dtype = torch.device(runtime["device"]), getattr(torch, runtime["dtype"])
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    engine = expected_engine(source.load_dir, device)
+    engine = engine_label(runtime)
     # On CUDA the figure is the allocator's peak (what the memory gate reads there); the
     # reference engine holds the weights once, the accelerator four times (budget).
     runtime = resident_bytes() if device.type == "cpu" else torch.cuda.memory_allocated(device)

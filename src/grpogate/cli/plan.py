@@ -95,22 +95,14 @@ def gates_words(gates: dict) -> str:
 
 
 def cost_lines(report: dict) -> list[str]:
-    """Memory and time, as far as the report states them: the expected peak beside the bound
-    a run is refused at, the expected and upper wall time measured on this machine."""
-    lines = []
-    memory = report.get("memory_estimate_gib")
-    if memory is not None:
-        lines.append(f"memory: about {memory['expected_peak']:.1f} GiB at peak (refused when "
-                     f"its bound, {memory['refusal_bound']:.1f} GiB, exceeds what is free)")
-    elif report.get("memory_estimate_bytes") is not None:
-        lines.append(f"memory: at most {human_bytes(report['memory_estimate_bytes'])} (bound)")
-    time = report.get("time_estimate")
-    if time is not None:
-        assumed = time.get("assumed", {})
-        lines.append(f"time on this machine: about {_duration(time['expected_seconds']['total'])}"
-                     f" (at most about {_duration(time['upper_seconds']['total'])}), measured "
-                     f"for engine {assumed.get('engine', '?')}, {assumed.get('dtype', '?')}")
-    return lines
+    """Memory and time: the expected peak beside the bound a run is refused at, the expected
+    and upper wall time measured on this machine."""
+    memory, time = report["memory_estimate_gib"], report["time_estimate"]
+    return [f"memory: about {memory['expected_peak']:.1f} GiB at peak (refused when its bound, "
+            f"{memory['refusal_bound']:.1f} GiB, exceeds what is free)",
+            f"time on this machine: about {_duration(time['expected_seconds']['total'])} (at "
+            f"most about {_duration(time['upper_seconds']['total'])}), measured for engine "
+            f"{time['assumed']['engine']}, {time['assumed']['dtype']}"]
 
 
 def _duration(seconds: float) -> str:

@@ -141,10 +141,13 @@ def expected_peak(config: RunConfig, dims: dict[str, int], dtype_bytes: int, pro
                  decode(config.guard.prompts, config.guard.group_size, 1)
                  if config.guard.enabled else 0)
     adapter = lora_parameter_count(config, dims) * 4
-    parts = {"runtime": runtime_bytes, "weights": weight_copies * weights,
-             "adapter and optimizer" if train else "adapter": adapter * 4 if train else adapter,
-             **({f"{largest} tensors": int(training[largest])} if train else {}),
-             "re-test tensors": int(retest)}
+    parts = {"runtime": runtime_bytes, "weights": weight_copies * weights}
+    if train:  # each adapter weight, its gradient and AdamW's two moments
+        parts["adapter and optimizer"] = 4 * adapter
+        parts[f"{largest} tensors"] = int(training[largest])
+    else:
+        parts["adapter"] = adapter
+    parts["re-test tensors"] = int(retest)
     parts["total"] = sum(parts.values())
     return parts
 
