@@ -22,17 +22,16 @@ from pathlib import Path
 
 from grpogate.errors import InputError, first_line
 from grpogate.files import read_json
+from grpogate.inputs.candidate_dir import INDEX, SHARD, SINGLE_FILE
 
 # What the checks and the loaders read besides the weights: the model's config, the tokenizer's
-# files in each of their forms, the chat template, and the weights' index.
-INDEX = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+# files in each of their forms, the chat template, and the weights' index (a snapshot's
+# weights are laid out as a checkpoint folder's: candidate_dir's names).
 METADATA_FILES = ["config.json", "generation_config.json", "tokenizer.json",
                   "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                   "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
                   "chat_template.jinja", "chat_template.json", INDEX]
 COMMIT = re.compile(r"[0-9a-f]{40}", re.ASCII)
-SHARD = re.compile(r"[\w.-]+\.safetensors", re.ASCII)
 MAX_SHARDS = 4096  # the largest public checkpoints hold a few hundred
 
 
