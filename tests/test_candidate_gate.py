@@ -117,6 +117,15 @@ def assert_gated_without_a_log(result, run_dir: Path, kind: str) -> dict:
     assert checks(evidence)["isolation"]["passed"] is True
     assert "guard" in checks(evidence) and "retest_kl" in checks(evidence)
     assert evidence["comparison"]["drift"]["kl_to_baseline"] > 0
+    # Every look of the sequential re-test is recorded, where it stopped and the completions it
+    # drew: 2 policies x (eval prompts x eval_group_size + guard samples), as a run's evidence.
+    retest = evidence["retest"]
+    assert retest["stopped_at_look"] == len(retest["looks"]) >= 1
+    config = evidence["config"]
+    assert retest["completions"] == 2 * (retest["eval_prompts"] * config["eval_group_size"]
+                                         + retest["guard_samples"])
+    assert retest["eval_prompts"] * config["eval_group_size"] * 2 == len(
+        (run_dir / "eval_completions.jsonl").read_text().splitlines())
     assert evidence["decision"]["decision"] in result.output
     return evidence
 

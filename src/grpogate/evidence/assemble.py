@@ -331,10 +331,7 @@ def assemble_evidence(facts: dict, config: dict, steps: list[dict], trajectories
                                        skipped=facts["retest_skipped"])
     if guard_result is not None:  # absent from runs recorded before the guard
         evidence["guard"] = guard_result
-    looks = retest_looks(evidence, config)
-    if looks is not None:
-        evidence["retest"] = looks
-    return decided(evidence, config["gates"], seconds["total"])
+    return decided(evidence, config, seconds["total"])
 
 
 def retest_looks(evidence: dict, config: dict) -> dict | None:
@@ -358,8 +355,13 @@ def retest_looks(evidence: dict, config: dict) -> dict | None:
                                 + recorded["guard_samples"])}
 
 
-def decided(evidence: dict, gates: dict, total_seconds: float) -> dict:
-    """The evidence with its derived coverage figures, total time and the decision added."""
+def decided(evidence: dict, config: dict, total_seconds: float) -> dict:
+    """The evidence with what derives from it added: the sequential re-test's looks (a grpogate
+    run's and a gate's alike), the coverage figures, the total time and the decision."""
+    looks = retest_looks(evidence, config)
+    if looks is not None:
+        evidence["retest"] = looks
+    gates = config["gates"]
     if evidence["status"] == "ok" and decisions.no_change_reason(evidence):
         evidence["status"] = "no_effective_update"  # the re-test shows the baseline, unchanged
     candidate = decisions.evaluate_grpo_candidate(evidence, gates)

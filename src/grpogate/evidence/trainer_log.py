@@ -280,7 +280,7 @@ def assemble_foreign_evidence(facts: dict, config: dict, trainer_state: dict | N
                                        skipped=facts["retest_skipped"])
     if guard_result is not None:  # the same guard set and paired statistics as a grpogate run
         evidence["guard"] = guard_result
-    return decided(evidence, config["gates"], seconds["total"])
+    return decided(evidence, config, seconds["total"])
 
 
 def foreign_facts(evidence: dict) -> dict:
