@@ -5,7 +5,7 @@
         [--guard-samples 64] [--draws 2000] [--seed 0] [--pools-only]
         [--mixtures 0.2,0.4,1:2:null,1:2:guard] [--set KEY=VALUE ...]
     python bench/decision_quality.py --work-dir DIR --quick
-    python bench/decision_quality.py --work-dir DIR --real-retests 20 [--perturbed 0.02]
+    python bench/decision_quality.py --work-dir DIR --real-retests 100 [--perturbed 0.002]
         [--candidate ADAPTER_DIR ...] [--exclude-run RUN_DIR]
 
 Each policy (the baseline, a null candidate this script builds, every --candidate adapter)
@@ -42,15 +42,15 @@ random Llama with tiny pools, in seconds: it proves the machinery and measures n
 the product (its weak null mixes the perturbed candidate into the baseline).
 
 --real-retests N checks the resampled design against the real thing: N independent re-tests
-of the default's design, each with its own sampling seed and its own eval and guard problems
-(seed, task.eval_seed and guard.seed all 1000 + k), every policy answering the design's
-maximum fresh (the eval set's eval_prompts in the run's seeded order, guard.rounds x
-group_size samples of every guard problem), walked and judged by the same code as a draw: the
-rule reads the samples in order and stops where the run would have stopped
-(bench/decision_real.py). --perturbed SCALE adds a near-null candidate: the null adapter with
-seeded random B of that scale, whose completions part from the baseline's while its true gain
-(its pool's) stays near 0; the null candidate is left out there (its completions are the
-baseline's, pair for pair).
+of each candidate, each a whole `grpogate gate --candidate ADAPTER --train-from-config` run in
+this process (one model load for all), with its own sampling seed and its own eval and guard
+problems (seed, task.eval_seed and guard.seed all 1000 + k): the sequential re-test sampled
+fresh and stopped where the rule stops, judged on every gate the decision has (retest_kl,
+length_budget, isolation included) (bench/decision_real.py). Each outcome is appended to
+DIR/real_retests.jsonl as it ends and not run again; the run directories stay in DIR/gates.
+--perturbed SCALE adds a near-null candidate: the null adapter with seeded random B of that
+scale, whose completions part from the baseline's while its true gain (its pool's) stays near
+0; the null candidate is left out there (its completions are the baseline's, pair for pair).
 """
 
 from __future__ import annotations
@@ -377,6 +377,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args(argv)
     mixtures = _mixture_items(parser, args)
+    for adapter in args.candidate:  # one error line, before a model loads or a pool is made
+        if not (Path(adapter) / "adapter_model.safetensors").is_file():
+            parser.error(f"--candidate {adapter}: no adapter_model.safetensors there")
     sizes = {key: getattr(args, key) or (QUICK if args.quick else FULL)[key] for key in FULL}
     from grpogate.errors import visible
 

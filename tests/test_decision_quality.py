@@ -299,15 +299,26 @@ def test_quick_real_re_tests_use_fresh_seeds_and_problems(tiny_model_dir, tmp_pa
     (name, summary), = real["results"].items()
     assert "perturbed-0.05" in name and summary["count"] == 2
     assert [run["seed"] for run in summary["runs"]] == [1000, 1001]
-    # Per re-test one baseline and one candidate pool, each its own problems and seed.
-    headers = [json.loads(path.read_text().splitlines()[0])
-               for path in (work / "pools").iterdir()]
-    assert len(headers) == 4
-    assert {h["design"]["seed"] for h in headers} == {1000, 1001}
-    # Each pool holds the design's maximum: 6 eval prompts x 2, 3 guard problems x 3 rounds x 2.
-    assert all(h["completions"] == {"eval": 12, "guard": 18} for h in headers)
+    # Each re-test is a whole gate: its run directory, its own seed and its own eval problems.
+    gates = sorted((work / "gates").iterdir())
+    assert [path.name.rsplit("-", 1)[1] for path in gates] == ["1000", "1001"]
+    evidence = [json.loads((path / "evidence.json").read_text()) for path in gates]
+    assert [e["config"]["seed"] for e in evidence] == [1000, 1001]
+    assert [e["config"]["task"]["eval_seed"] for e in evidence] == [1000, 1001]
+    eval_ids = [{json.loads(line)["prompt_id"] for line in
+                 (path / "eval_completions.jsonl").read_text().splitlines()} for path in gates]
+    assert eval_ids[0] != eval_ids[1]
+    # Every gate's decision is the run's own, every check counted (retest_kl among them).
+    assert [run["decision"] for run in summary["runs"]] == [
+        e["decision"]["decision"] for e in evidence]
+    assert "retest_kl" in summary["p_fail"] and "guard" in summary["p_fail"]
+    # Between the first look (2 eval prompts x 2, 3 guard problems x 2, both policies: 20)
+    # and the maximum (6 x 2 + 3 x 3 rounds x 2, both policies: 60).
     assert all(20 <= run["completions"] <= 60 for run in summary["runs"])
-    assert {h["design"]["task"]["eval_seed"] for h in headers} == {1000, 1001}
+    # A second call finds both re-tests in real_retests.jsonl and runs neither again.
+    decision_quality.main(["--work-dir", str(work), "--quick", "--baseline",
+                           str(tiny_model_dir), "--real-retests", "2", "--perturbed", "0.05"])
+    assert len((work / "real_retests.jsonl").read_text().splitlines()) == 2
 
 
 def test_a_mixture_takes_each_sample_whole_from_one_of_the_two_pools():
@@ -497,3 +508,15 @@ def test_a_pool_too_small_for_the_design_is_exit_2_before_any_generation(tmp_pat
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "error: --eval-pool 4: the design needs at least 6\n"
     assert not (work / "pools").exists() and not (work / "decision_quality.json").exists()
+
+
+def test_a_candidate_without_adapter_weights_is_one_error_line(tmp_path, capsys):
+    import decision_quality
+
+    with pytest.raises(SystemExit) as stopped:
+        decision_quality.main(["--work-dir", str(tmp_path / "work"), "--candidate",
+                               str(tmp_path / "absent")])
+    assert stopped.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "absent: no adapter_model.safetensors" in errors[0]
+    assert not (tmp_path / "work").exists()  # nothing written
