@@ -3,11 +3,11 @@ resampled design checked against the product itself. Each re-test is a whole `gr
 --candidate ADAPTER` (trl_gate.gate: admission, the sequential re-test sampled fresh look by
 look and stopped where the rule stops, the eval set's KL to the baseline, the guard, the
 evidence, `decide_run` over every gate, the run directory), with its own sampling seed and its
-own eval and guard problems (seed, task.eval_seed and guard.seed all 1000 + k). The training prompts
-are named as the config's train split (`--train-from-config`), so the isolation row is checked
-as a user's gate checks it; the prompts the candidate's own run trained on (`exclude_run`) that
-fall in a re-test's eval set are counted beside it. So P(accept) here counts every gate the
-decision has, `retest_kl` and `length_budget` included, and the
+own eval and guard problems (seed, task.eval_seed and guard.seed all 1000 + k). The training
+prompts are named as the config's train split (`--train-from-config`), so the isolation row is
+checked as a user's gate checks it; the prompts the candidate's own run trained on
+(`exclude_run`) that fall in a re-test's eval set are counted beside it. So P(accept) here
+counts every gate the decision has, `retest_kl` and `length_budget` included, and the
 completions are what a user's gate would sample. Generates completions (torch).
 
 One model load serves every re-test: the gate's `load_policy` is answered from a cache for
@@ -55,25 +55,26 @@ def one_model_load():
 
 def outcome(evidence: dict, trained: set[str]) -> dict:
     """What one gate decided, read from its evidence: the decision, every gate's pass, each
-    tested gate's anytime bounds at the stop, the look it stopped at, the completions both
-    policies drew, and how many eval prompts the candidate's own run trained on."""
+    tested gate's anytime bounds at the stop, the look it stopped at and the completions both
+    policies drew (its `retest` section), and how many of its eval prompts the candidate's own
+    run trained on (the prompt ids of its eval records)."""
     checks = {row["name"]: row for row in evidence["decision"]["checks"]}
-    counts, eval_ids = {}, set()
-    for name in ("eval", "guard"):
-        path = Path(evidence["run_dir"]) / f"{name}_completions.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
-            if path.is_file() else []
-        counts[name] = len(rows)
-        if name == "eval":
-            eval_ids = {row["prompt_id"] for row in rows}
+    verdict = {"tests": {name: row.get("test") for name, row in checks.items()}}
+    retest = evidence["retest"]
+    by_set = {"eval": 2 * retest["eval_prompts"] * evidence["config"]["eval_group_size"],
+              "guard": 2 * retest["guard_samples"]}
+    eval_ids = set()
+    if trained:
+        records = Path(evidence["run_dir"]) / "eval_completions.jsonl"
+        eval_ids = {json.loads(line)["prompt_id"]
+                    for line in records.read_text().splitlines() if line.strip()}
     return {"decision": evidence["decision"]["decision"],
             "failed_checks": evidence["decision"]["failed_checks"],
             "passed": {name: row["passed"] for name, row in checks.items()},
-            "bounds": {gate: decision_resample.bounds({"tests": {
-                gate: (checks.get(gate) or {}).get("test")}}, gate)
-                for gate in decision_resample.TESTED},
-            "stopped_at_look": evidence["retest"]["stopped_at_look"],
-            "completions": counts["eval"] + counts["guard"], "by_set": counts,
+            "bounds": {gate: decision_resample.bounds(verdict, gate)
+                       for gate in decision_resample.TESTED},
+            "stopped_at_look": retest["stopped_at_look"],
+            "completions": retest["completions"], "by_set": by_set,
             "retest_kl": (checks.get("retest_kl") or {}).get("value"),
             "trained_eval_prompts": len(eval_ids & trained)}
 
@@ -121,9 +122,7 @@ def real_retests(work_dir: Path, candidates: list[tuple[str, str]], count: int,
     results = {}
     for name, _ in candidates:
         runs = [done[(name, FIRST_SEED + k)] for k in range(count)]
-        results[name] = decision_resample.summarize_real(runs) | {
-            "p_fail": {check: sum(not r["passed"][check] for r in runs) / count
-                       for check in runs[0]["passed"]},
+        results[name] = decision_resample.summarize_real(runs, gates=runs[0]["passed"]) | {
             "decisions": {d: sum(r["decision"] == d for r in runs)
                           for d in ("accept", "tune", "reject")},
             "max_trained_eval_prompts": max(r["trained_eval_prompts"] for r in runs)}

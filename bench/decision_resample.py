@@ -257,14 +257,14 @@ class _Whole:
 WHOLE = _Whole()
 
 
-def summarize_real(runs: list[dict]) -> dict:
-    """Real re-tests' verdicts: P(accept) with its binomial standard error, P(each gate fails),
-    the mean completions used, and every re-test's bounds (for coverage against a pool's
-    truth)."""
+def summarize_real(runs: list[dict], gates=GATES) -> dict:
+    """Real re-tests' verdicts: P(accept) with its binomial standard error, P(each of `gates`
+    fails), the mean completions used, and every re-test's bounds (for coverage against a
+    pool's truth)."""
     count = len(runs)
     accepted = sum(all(run["passed"].values()) for run in runs)
     se = lambda k: math.sqrt(max(k * (count - k), 1) / count) / count  # noqa: E731
-    failed = {gate: sum(not run["passed"].get(gate, True) for run in runs) for gate in GATES}
+    failed = {gate: sum(not run["passed"].get(gate, True) for run in runs) for gate in gates}
     return {"count": count, "accepted": accepted, "p_accept": accepted / count,
             "p_accept_se": se(accepted),
             "p_fail": {gate: k / count for gate, k in failed.items()},
